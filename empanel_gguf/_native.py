@@ -1,0 +1,158 @@
+"""The native seam: the one place that points llama_cpp at our libraries and talks to C.
+
+`import empanel_gguf` calls `use_our_libraries()`, which sets LLAMA_CPP_LIB_PATH before the first
+`import llama_cpp`, imports it, and checks that the libllama it loaded carries our hooks and was
+built from the pinned llama.cpp. The sidecar (libempanel, csrc/empanel.h) is opened with cffi in
+ABI mode: no compiler is needed at run time.
+"""
+
+import ctypes
+import os
+import re
+import sys
+from pathlib import Path
+
+from . import _pins
+
+PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
+HEADER = Path(__file__).resolve().parent.parent / "csrc" / "empanel.h"
+
+_sidecar = None  # (ffi, lib) once opened
+
+
+class NativeLibraryError(ImportError):
+    """Our native libraries are missing, foreign, or from another build."""
+
+
+def lib_dir():
+    """Where our libllama, libggml* and libempanel live: EMPANEL_GGUF_LIB_DIR, else the package."""
+    return Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_LIB_DIR)
+
+
+def _shared_lib_name(stem):
+    if sys.platform == "darwin":
+        return f"lib{stem}.dylib"
+    if sys.platform == "win32":
+        return f"{stem}.dll"
+    return f"lib{stem}.so"
+
+
+def _loaded_llama_path(llama_cpp_module):
+    lib = getattr(llama_cpp_module.llama_cpp, "_lib", None)
+    return getattr(lib, "_name", "?")
+
+
+def _check_llama(lib, where):
+    """Raise NativeLibraryError unless `lib` (a ctypes CDLL of libllama) is our patched build."""
+    try:
+        api_version = lib.llama_empanel_api_version
+        commit_fn = lib.llama_empanel_llama_commit
+    except AttributeError:
+        raise NativeLibraryError(
+            f"llama_cpp loaded {where}, a libllama without the empanel hooks "
+            "(llama_empanel_api_version is missing).\n"
+            f"HINT: import empanel_gguf before llama_cpp, unset LLAMA_CPP_LIB_PATH, or rebuild "
+            f"empanel-gguf (pip install .) so that {lib_dir()} holds its libraries."
+        ) from None
+    api_version.restype = ctypes.c_int32
+    commit_fn.restype = ctypes.c_char_p
+    version = api_version()
+    commit = commit_fn().decode()
+    if version != _pins.EMPANEL_API_VERSION or commit != _pins.LLAMA_COMMIT:
+        raise NativeLibraryError(
+            f"llama_cpp loaded {where}: empanel API {version} on llama.cpp {commit[:12]}, but this "
+            f"empanel_gguf expects API {_pins.EMPANEL_API_VERSION} on llama.cpp "
+            f"{_pins.LLAMA_COMMIT[:12]}.\nHINT: the package and its libraries come from different "
+            "builds; reinstall empanel-gguf (pip install --force-reinstall .)."
+        )
+
+
+# the public structs llama-cpp-python mirrors with ctypes; our patches must not change their size
+MIRRORED_STRUCTS = (
+    "llama_model_params",
+    "llama_context_params",
+    "llama_batch",
+    "llama_model_quantize_params",
+    "llama_sampler_chain_params",
+    "llama_token_data",
+    "llama_chat_message",
+)
+
+
+def _check_struct_sizes(llama_cpp_module):
+    """Compare the C sizeof() of each mirrored struct with its ctypes mirror."""
+    size_fn = llama_cpp_module.llama_cpp._lib.llama_empanel_struct_size
+    size_fn.argtypes = [ctypes.c_char_p]
+    size_fn.restype = ctypes.c_size_t
+    for name in MIRRORED_STRUCTS:
+        c_size = size_fn(name.encode())
+        py_size = ctypes.sizeof(getattr(llama_cpp_module.llama_cpp, name))
+        if c_size != py_size:
+            raise NativeLibraryError(
+                f"ABI mismatch: sizeof({name}) is {c_size} bytes in {_loaded_llama_path(llama_cpp_module)} "
+                f"but {py_size} in llama_cpp's ctypes bindings.\nHINT: install "
+                f"llama-cpp-python=={_pins.LLAMA_CPP_PYTHON_VERSION}, the version empanel-gguf is built for."
+            )
+
+
+def use_our_libraries():
+    """Make llama_cpp load our libraries, import it, and verify them. Returns the llama_cpp module."""
+    if "llama_cpp" in sys.modules:
+        # too late to choose the library: accept it only if it is ours
+        import llama_cpp
+
+        _check_llama(llama_cpp.llama_cpp._lib, _loaded_llama_path(llama_cpp))
+        _check_struct_sizes(llama_cpp)
+        return llama_cpp
+
+    ours = lib_dir()
+    if not (ours / _shared_lib_name("llama")).exists():
+        raise NativeLibraryError(
+            f"empanel-gguf's native libraries are not built: {ours / _shared_lib_name('llama')} "
+            "is missing.\nHINT: build and install the package from its source tree with "
+            "`pip install .` (see README.md), or set EMPANEL_GGUF_LIB_DIR to a build's lib folder."
+        )
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(ours)
+    os.environ.setdefault("MTMD_CPP_LIB", str(ours))  # no libmtmd is built; keep it from others
+
+    try:
+        import llama_cpp
+    except OSError as e:  # ctypes could not load one of the libraries
+        raise NativeLibraryError(f"could not load the libraries in {ours}: {e}") from e
+    _check_llama(llama_cpp.llama_cpp._lib, _loaded_llama_path(llama_cpp))
+    _check_struct_sizes(llama_cpp)
+    return llama_cpp
+
+
+def _cdef_from_header(text):
+    """The declarations of empanel.h in a form cffi's cdef accepts: no preprocessor lines,
+    no export macros, no extern "C" braces."""
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or stripped in ('extern "C" {', "}"):
+            continue
+        lines.append(line.replace("EMPANEL_API ", ""))
+    text = "\n".join(lines)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def sidecar():
+    """(ffi, lib) for libempanel, opened once."""
+    global _sidecar
+    if _sidecar is None:
+        import cffi
+
+        ffi = cffi.FFI()
+        ffi.cdef(_cdef_from_header(_header_text()))
+        lib = ffi.dlopen(str(lib_dir() / _shared_lib_name("empanel")))
+        _sidecar = (ffi, lib)
+    return _sidecar
+
+
+def _header_text():
+    """empanel.h as installed with the package (a copy sits next to the libraries)."""
+    for path in (lib_dir() / "empanel.h", HEADER):
+        if path.exists():
+            return path.read_text()
+    raise NativeLibraryError(f"empanel.h is missing from {lib_dir()}; reinstall empanel-gguf")

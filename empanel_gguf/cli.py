@@ -1,0 +1,35 @@
+"""`empanel-gguf <command> ...`: dispatches to empanel_gguf.commands.<command>.main(argv)."""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "run": "complete a prompt with a model (default: the built-in one)",
+    "inspect": "routed experts of a GGUF: layers, types, offsets, sizes",
+}
+
+
+def usage():
+    lines = ["usage: empanel-gguf <command> [options]", "", "commands:"]
+    for name, text in COMMANDS.items():
+        lines.append(f"  {name:10s} {text}")
+    lines.append("")
+    lines.append("`empanel-gguf <command> --help` for a command's options")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"empanel-gguf: unknown command '{command}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"empanel_gguf.commands.{command}")
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

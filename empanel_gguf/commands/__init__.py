@@ -1,0 +1,1 @@
+"""Subcommands of the `empanel-gguf` command line: one module each, each with `main(argv)`."""

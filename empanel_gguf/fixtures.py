@@ -1,0 +1,578 @@
+"""Tiny random-weight Mixture-of-Experts GGUF files for tests and scripts.
+
+Every fixture is written with the `gguf` package from a seeded random generator, so the same
+spec always gives the same bytes. Nothing is ever downloaded. The models are meaningless but
+numerically tame: weights are normal with std 1/sqrt(fan_in), norms are ones, so hidden states
+stay near unit RMS and logits are finite with a spread of about one; random routers make the
+routing change from token to token.
+
+Shapes in comments use ggml order, `{ne0, ne1, ne2}` (ne0 is the contiguous row, the input
+dimension of a matrix); numpy arrays are the reverse, `(ne2, ne1, ne0)`.
+
+K-quants cannot be written from numpy, so a spec with `requantize_to` is written in F16 first and
+then quantized by llama.cpp itself (`llama_cpp.llama_model_quantize`, imported only there; set
+LLAMA_CPP_LIB_PATH to a llama.cpp build).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import gguf
+
+# Bump when the writer changes in a way that changes file contents: cached files are rewritten.
+FORMAT_VERSION = 1
+
+# Custom metadata key holding a digest of the spec (and FORMAT_VERSION) that wrote the file.
+FINGERPRINT_KEY = "empanel.fixture.fingerprint"
+
+CONTEXT_LENGTH = 512  # tokens (`<arch>.context_length`)
+RMS_EPS = 1e-6
+
+# ChatML-style template, so `Llama.create_chat_completion` works with the metadata alone.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# A few byte-level BPE merges over GPT-2's printable byte alphabet ("Ġ" is the space byte).
+# Each pair's parts are byte tokens or results of earlier merges.
+MERGES = (
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"),
+    ("r", "e"), ("Ġ", "a"), ("Ġ", "s"), ("Ġ", "w"), ("o", "u"), ("e", "n"), ("Ġ", "c"),
+    ("i", "s"), ("Ġ", "o"), ("Ġ", "b"), ("e", "s"), ("a", "t"), ("o", "r"), ("e", "d"),
+    ("i", "t"), ("Ġ", "f"), ("Ġ", "m"), ("Ġ", "p"), ("l", "l"), ("Ġ", "h"), ("Ġ", "d"),
+    ("in", "g"), ("Ġa", "n"), ("Ġan", "d"), ("Ġo", "f"), ("Ġ", "i"), ("Ġ", "l"), ("a", "r"),
+    ("l", "e"), ("Ġ", "n"), ("Ġ", "e"), ("Ġ", "H"), ("Ġi", "s"), ("Ġ", "y"),
+)
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+
+# llama_ftype values for `requantize_to`; quantized with `pure`, so every matrix gets this type.
+_LLAMA_FTYPES = {
+    "Q2_K": 10,  # LLAMA_FTYPE_MOSTLY_Q2_K
+    "Q3_K": 12,  # LLAMA_FTYPE_MOSTLY_Q3_K_M
+    "Q4_K": 15,  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    "Q5_K": 17,  # LLAMA_FTYPE_MOSTLY_Q5_K_M
+    "Q6_K": 18,  # LLAMA_FTYPE_MOSTLY_Q6_K
+}
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    """Everything that determines a fixture file.
+
+    Types are ggml type names ("F32", "F16", "Q8_0", "Q4_0", "MXFP4", ...). `weight_type` applies
+    to every matrix except routers (always F32) and the routed experts; `expert_types` gives the
+    routed experts' type per layer (empty: `weight_type` everywhere).
+    """
+
+    name: str
+    arch: str  # general.architecture: qwen3moe, qwen2moe, deepseek2, gpt-oss, llama, olmoe
+    n_layer: int = 3
+    n_expert: int = 16
+    n_expert_used: int = 4
+    n_embd: int = 64
+    n_ff_exp: int = 32  # hidden size of one routed expert
+    n_ff: int = 128  # hidden size of a dense FFN (deepseek2 leading layer)
+    n_ff_shexp: int = 0  # hidden size of the shared expert (qwen2moe)
+    n_head: int = 4
+    n_head_kv: int = 2
+    weight_type: str = "F32"
+    expert_types: tuple[str, ...] = ()
+    n_shards: int = 1  # >1: split files <stem>-0000i-of-0000n.gguf
+    requantize_to: str | None = None  # a K-quant made by llama.cpp from an F16 file
+    seed: int = 0
+
+    def expert_type(self, il: int) -> str:
+        return self.expert_types[il] if self.expert_types else self.weight_type
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+FIXTURES: dict[str, FixtureSpec] = {
+    spec.name: spec
+    for spec in (
+        # qwen3moe in each type llama.cpp users meet; 3 layers x 16 experts, top-4
+        FixtureSpec("qwen3moe-f32", "qwen3moe", seed=1),
+        FixtureSpec("qwen3moe-f16", "qwen3moe", weight_type="F16", seed=2),
+        FixtureSpec("qwen3moe-q8_0", "qwen3moe", weight_type="Q8_0", seed=3),
+        FixtureSpec("qwen3moe-q4_0", "qwen3moe", weight_type="Q4_0", seed=4),
+        # K-quant rows are 256 wide, so n_embd and the expert ff are 256 here
+        FixtureSpec("qwen3moe-q4_k", "qwen3moe", n_layer=2, n_expert=8, n_expert_used=2,
+                    n_embd=256, n_ff_exp=256, weight_type="F16", requantize_to="Q4_K", seed=5),
+        # a different expert type in every layer
+        FixtureSpec("qwen3moe-mixed", "qwen3moe", weight_type="Q8_0",
+                    expert_types=("Q8_0", "Q4_0", "F16"), seed=6),
+        # two shards of 20 and 19 tensors: the cut falls inside layer 1 (its experts in shard 2)
+        FixtureSpec("qwen3moe-split", "qwen3moe", weight_type="F16", n_shards=2, seed=7),
+        # many experts, otherwise tiny
+        FixtureSpec("qwen3moe-256x", "qwen3moe", n_layer=2, n_expert=256, n_expert_used=8,
+                    weight_type="F16", expert_types=("Q8_0", "Q8_0"), seed=8),
+        # shared expert with a sigmoid gate (ffn_gate_inp_shexp)
+        FixtureSpec("qwen2moe", "qwen2moe", n_expert=8, n_expert_used=2, n_ff_shexp=64,
+                    weight_type="Q8_0", seed=9),
+        # MLA, a leading dense layer, a shared expert, 4 groups of 4 experts (2 used),
+        # sigmoid gating with exp_probs_b
+        # (MLA stores one latent "KV head" per token, so n_head_kv is 1)
+        FixtureSpec("deepseek2", "deepseek2", n_layer=3, n_expert=16, n_expert_used=4,
+                    n_head_kv=1, weight_type="F16", expert_types=("F16", "Q4_0", "Q4_0"), seed=10),
+        # expert biases, MXFP4 experts, attention sinks, SWA on every other layer
+        FixtureSpec("gpt-oss", "gpt-oss", n_layer=2, n_expert=8, n_expert_used=2,
+                    n_ff_exp=64, weight_type="F16", expert_types=("MXFP4", "MXFP4"), seed=11),
+        # Mixtral: llama arch with 8 experts, top-2
+        FixtureSpec("mixtral", "llama", n_layer=2, n_expert=8, n_expert_used=2, n_ff_exp=64,
+                    weight_type="F16", seed=12),
+        # OLMoE: q/k norms over the full width, so all heads are KV heads
+        FixtureSpec("olmoe", "olmoe", n_layer=2, n_head_kv=4, seed=13),
+    )
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def write_fixture(name: str, out_dir: str | Path) -> Path:
+    """Write fixture `name` into `out_dir` unless a complete copy is already there.
+
+    Returns the path to load: `<name>.gguf`, or `<name>-00001-of-0000n.gguf` for split files.
+    """
+    spec = FIXTURES[name]
+    out_dir = Path(out_dir)
+    path = out_dir / f"{name}.gguf"
+    first = shard_paths(path, spec.n_shards)[0]
+    if is_complete(spec, path):
+        return first
+    return write_model(spec, path)
+
+
+def write_model(spec: FixtureSpec, path: str | Path) -> Path:
+    """Write `spec` to `path` (or to its shards) and return the first file.
+
+    Files are written into a temporary folder next to `path` and moved into place at the end,
+    so a file that exists under its final name is always complete.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".fixture-") as tmp:
+        tmp_path = Path(tmp) / path.name
+        if spec.requantize_to is None:
+            _write_gguf(spec, tmp_path)
+        else:
+            base = Path(tmp) / f"{path.stem}-f16.gguf"
+            _write_gguf(spec, base)
+            _requantize(base, tmp_path, spec.requantize_to)
+        for tmp_shard, shard in zip(shard_paths(tmp_path, spec.n_shards),
+                                    shard_paths(path, spec.n_shards)):
+            os.replace(tmp_shard, shard)
+    return shard_paths(path, spec.n_shards)[0]
+
+
+def shard_paths(path: str | Path, n_shards: int) -> list[Path]:
+    """The files a model at `path` is written to: itself, or llama.cpp's split names."""
+    path = Path(path)
+    if n_shards == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}-{i:05d}-of-{n_shards:05d}.gguf")
+            for i in range(1, n_shards + 1)]
+
+
+def fingerprint(spec: FixtureSpec) -> str:
+    """A digest of the spec and FORMAT_VERSION, stored in the (first) file's metadata."""
+    return hashlib.sha256(f"{FORMAT_VERSION}:{spec!r}".encode()).hexdigest()[:16]
+
+
+def is_complete(spec: FixtureSpec, path: str | Path) -> bool:
+    """True when all shards of `path` exist, hold all their tensor data, and came from `spec`."""
+    shards = shard_paths(path, spec.n_shards)
+    if not all(shard.is_file() for shard in shards):
+        return False
+    try:
+        for i, shard in enumerate(shards):
+            reader = gguf.GGUFReader(shard)
+            if i == 0:
+                field = reader.get_field(FINGERPRINT_KEY)
+                if field is None or field.contents() != fingerprint(spec):
+                    return False
+            data_end = max(t.data_offset + t.n_bytes for t in reader.tensors)
+            if data_end > shard.stat().st_size:
+                return False
+    except (ValueError, IndexError, KeyError, OSError):  # truncated or not a GGUF file
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+class _Tensors:
+    """Collects (name, float32 array in numpy order, ggml type name), drawn in call order."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.items: list[tuple[str, np.ndarray, str]] = []
+
+    def matrix(self, name: str, ne: tuple[int, ...], qtype: str, scale: float = 1.0) -> None:
+        """A weight of ggml shape `ne`; ne0 is the input (fan-in) dimension."""
+        fan_in = ne[0]
+        values = self.rng.standard_normal(tuple(reversed(ne)), dtype=np.float32)
+        self.items.append((name, values * np.float32(scale / math.sqrt(fan_in)), qtype))
+
+    def vector(self, name: str, ne: tuple[int, ...], std: float) -> None:
+        """A bias-like F32 tensor with small normal values."""
+        values = self.rng.standard_normal(tuple(reversed(ne)), dtype=np.float32)
+        self.items.append((name, values * np.float32(std), "F32"))
+
+    def norm(self, name: str, n: int) -> None:
+        """An RMS-norm weight {n}: all ones."""
+        self.items.append((name, np.ones(n, dtype=np.float32), "F32"))
+
+
+def _add_embeddings(t: _Tensors, spec: FixtureSpec, n_vocab: int) -> None:
+    # token_embd {n_embd, n_vocab}: unit-variance rows (the first norm rescales them anyway)
+    t.matrix("token_embd.weight", (spec.n_embd, n_vocab), spec.weight_type,
+             scale=math.sqrt(spec.n_embd))
+
+
+def _add_output(t: _Tensors, spec: FixtureSpec, n_vocab: int) -> None:
+    t.norm("output_norm.weight", spec.n_embd)
+    # output {n_embd, n_vocab}: logits with std ~1 after the final norm
+    t.matrix("output.weight", (spec.n_embd, n_vocab), spec.weight_type)
+
+
+def _add_gqa_attention(t: _Tensors, spec: FixtureSpec, il: int, qkv_bias: bool = False) -> None:
+    """attn_q/k/v/output for n_head query heads and n_head_kv KV heads of head_dim each."""
+    p = f"blk.{il}."
+    n_q = spec.n_head * spec.head_dim  # query width
+    n_kv = spec.n_head_kv * spec.head_dim  # key and value width
+    t.matrix(p + "attn_q.weight", (spec.n_embd, n_q), spec.weight_type)
+    t.matrix(p + "attn_k.weight", (spec.n_embd, n_kv), spec.weight_type)
+    t.matrix(p + "attn_v.weight", (spec.n_embd, n_kv), spec.weight_type)
+    if qkv_bias:
+        t.vector(p + "attn_q.bias", (n_q,), std=0.02)
+        t.vector(p + "attn_k.bias", (n_kv,), std=0.02)
+        t.vector(p + "attn_v.bias", (n_kv,), std=0.02)
+    t.matrix(p + "attn_output.weight", (n_q, spec.n_embd), spec.weight_type)
+
+
+def _add_router(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    # ffn_gate_inp {n_embd, n_expert}, F32 as llama.cpp never quantizes routers;
+    # router logits have std ~1, so the chosen experts change from token to token
+    t.matrix(f"blk.{il}.ffn_gate_inp.weight", (spec.n_embd, spec.n_expert), "F32")
+
+
+def _add_routed_experts(t: _Tensors, spec: FixtureSpec, il: int, n_ff: int) -> None:
+    """ffn_{gate,up}_exps {n_embd, n_ff, n_expert} and ffn_down_exps {n_ff, n_embd, n_expert}."""
+    p = f"blk.{il}."
+    qtype = spec.expert_type(il)
+    t.matrix(p + "ffn_gate_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
+    t.matrix(p + "ffn_up_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
+    t.matrix(p + "ffn_down_exps.weight", (n_ff, spec.n_embd, spec.n_expert), qtype)
+
+
+def _add_dense_ffn(t: _Tensors, spec: FixtureSpec, il: int, suffix: str, n_ff: int) -> None:
+    """ffn_{gate,up}<suffix> {n_embd, n_ff} and ffn_down<suffix> {n_ff, n_embd}."""
+    p = f"blk.{il}."
+    t.matrix(p + f"ffn_gate{suffix}.weight", (spec.n_embd, n_ff), spec.weight_type)
+    t.matrix(p + f"ffn_up{suffix}.weight", (spec.n_embd, n_ff), spec.weight_type)
+    t.matrix(p + f"ffn_down{suffix}.weight", (n_ff, spec.n_embd), spec.weight_type)
+
+
+def _qwen3moe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    p = f"blk.{il}."
+    t.norm(p + "attn_norm.weight", spec.n_embd)
+    _add_gqa_attention(t, spec, il)
+    t.norm(p + "attn_q_norm.weight", spec.head_dim)  # per-head RMS norm of q and k
+    t.norm(p + "attn_k_norm.weight", spec.head_dim)
+    t.norm(p + "ffn_norm.weight", spec.n_embd)
+    _add_router(t, spec, il)
+    _add_routed_experts(t, spec, il, spec.n_ff_exp)
+
+
+def _qwen2moe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    p = f"blk.{il}."
+    t.norm(p + "attn_norm.weight", spec.n_embd)
+    _add_gqa_attention(t, spec, il, qkv_bias=True)
+    t.norm(p + "ffn_norm.weight", spec.n_embd)
+    _add_router(t, spec, il)
+    _add_routed_experts(t, spec, il, spec.n_ff_exp)
+    # shared expert, scaled per token by sigmoid(ffn_gate_inp_shexp · x); {n_embd}
+    t.vector(p + "ffn_gate_inp_shexp.weight", (spec.n_embd,), std=1 / math.sqrt(spec.n_embd))
+    _add_dense_ffn(t, spec, il, "_shexp", spec.n_ff_shexp)
+
+
+def _olmoe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    p = f"blk.{il}."
+    t.norm(p + "attn_norm.weight", spec.n_embd)
+    _add_gqa_attention(t, spec, il)
+    t.norm(p + "attn_q_norm.weight", spec.n_embd)  # over all heads at once
+    t.norm(p + "attn_k_norm.weight", spec.n_embd)
+    t.norm(p + "ffn_norm.weight", spec.n_embd)
+    _add_router(t, spec, il)
+    _add_routed_experts(t, spec, il, spec.n_ff_exp)
+
+
+def _mixtral_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    p = f"blk.{il}."
+    t.norm(p + "attn_norm.weight", spec.n_embd)
+    _add_gqa_attention(t, spec, il)
+    t.norm(p + "ffn_norm.weight", spec.n_embd)
+    _add_router(t, spec, il)
+    _add_routed_experts(t, spec, il, spec.n_ff_exp)
+
+
+def _gpt_oss_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    p = f"blk.{il}."
+    t.norm(p + "attn_norm.weight", spec.n_embd)
+    _add_gqa_attention(t, spec, il, qkv_bias=True)
+    t.vector(p + "attn_output.bias", (spec.n_embd,), std=0.02)
+    t.vector(p + "attn_sinks.weight", (spec.n_head,), std=0.5)  # one sink logit per head
+    t.norm(p + "post_attention_norm.weight", spec.n_embd)
+    _add_router(t, spec, il)
+    t.vector(p + "ffn_gate_inp.bias", (spec.n_expert,), std=0.1)
+    _add_routed_experts(t, spec, il, spec.n_ff_exp)
+    # per-expert biases: gate/up {n_ff_exp, n_expert}, down {n_embd, n_expert}
+    t.vector(p + "ffn_gate_exps.bias", (spec.n_ff_exp, spec.n_expert), std=0.02)
+    t.vector(p + "ffn_up_exps.bias", (spec.n_ff_exp, spec.n_expert), std=0.02)
+    t.vector(p + "ffn_down_exps.bias", (spec.n_embd, spec.n_expert), std=0.02)
+
+
+# DeepSeek-V2 multi-head latent attention, scaled down (real V3: q_lora 1536, kv_lora 512,
+# nope 128, rope 64, v 128).
+_DS_Q_LORA_RANK = 32
+_DS_KV_LORA_RANK = 32
+_DS_ROPE_DIM = 16  # rotary part of each q/k head
+_DS_NOPE_DIM = 16  # non-rotary part of each q/k head
+_DS_V_DIM = 16  # value head size
+_DS_N_GROUPS = 4  # expert groups; routing first picks the best groups
+_DS_N_GROUPS_USED = 2
+_DS_DENSE_LEAD = 1  # leading layers with a dense FFN instead of experts
+
+
+def _deepseek2_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+    p = f"blk.{il}."
+    n_head = spec.n_head
+    k_head = _DS_NOPE_DIM + _DS_ROPE_DIM
+    t.norm(p + "attn_norm.weight", spec.n_embd)
+    # q: x -> q_lora {n_embd, q_lora} -> norm -> heads {q_lora, n_head * (nope + rope)}
+    t.matrix(p + "attn_q_a.weight", (spec.n_embd, _DS_Q_LORA_RANK), spec.weight_type)
+    t.norm(p + "attn_q_a_norm.weight", _DS_Q_LORA_RANK)
+    t.matrix(p + "attn_q_b.weight", (_DS_Q_LORA_RANK, n_head * k_head), spec.weight_type)
+    # kv: x -> compressed kv plus the shared rope key {n_embd, kv_lora + rope}
+    t.matrix(p + "attn_kv_a_mqa.weight", (spec.n_embd, _DS_KV_LORA_RANK + _DS_ROPE_DIM),
+             spec.weight_type)
+    t.norm(p + "attn_kv_a_norm.weight", _DS_KV_LORA_RANK)
+    # per-head up-projections: k_b {nope, kv_lora, n_head}, v_b {kv_lora, v, n_head}
+    t.matrix(p + "attn_k_b.weight", (_DS_NOPE_DIM, _DS_KV_LORA_RANK, n_head), spec.weight_type)
+    t.matrix(p + "attn_v_b.weight", (_DS_KV_LORA_RANK, _DS_V_DIM, n_head), spec.weight_type)
+    t.matrix(p + "attn_output.weight", (n_head * _DS_V_DIM, spec.n_embd), spec.weight_type)
+    t.norm(p + "ffn_norm.weight", spec.n_embd)
+    if il < _DS_DENSE_LEAD:
+        _add_dense_ffn(t, spec, il, "", spec.n_ff)
+        return
+    _add_router(t, spec, il)
+    # exp_probs_b {n_expert}: added to the sigmoid scores for choosing, not for weighting
+    t.vector(p + "exp_probs_b.bias", (spec.n_expert,), std=0.1)
+    _add_routed_experts(t, spec, il, spec.n_ff_exp)
+    _add_dense_ffn(t, spec, il, "_shexp", spec.n_ff_exp)  # one shared expert
+
+
+_LAYER_WRITERS = {
+    "qwen3moe": _qwen3moe_layer,
+    "qwen2moe": _qwen2moe_layer,
+    "olmoe": _olmoe_layer,
+    "llama": _mixtral_layer,
+    "gpt-oss": _gpt_oss_layer,
+    "deepseek2": _deepseek2_layer,
+}
+
+
+def _build_tensors(spec: FixtureSpec, n_vocab: int) -> _Tensors:
+    t = _Tensors(spec.seed)
+    _add_embeddings(t, spec, n_vocab)
+    for il in range(spec.n_layer):
+        _LAYER_WRITERS[spec.arch](t, spec, il)
+    _add_output(t, spec, n_vocab)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map: printable Latin-1 bytes map to themselves,
+    the other 68 bytes to the characters from U+0100 on, in byte order."""
+    printable = set(range(ord("!"), ord("~") + 1))
+    printable |= set(range(ord("¡"), ord("¬") + 1))
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    mapping = {}
+    n_shifted = 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + n_shifted)
+            n_shifted += 1
+    return mapping
+
+
+def vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): 256 byte tokens, one token per merge, control tokens."""
+    tokens = list(_bytes_to_unicode().values())
+    types = [int(gguf.TokenType.NORMAL)] * len(tokens)
+    merges = []
+    for left, right in MERGES:
+        assert left in tokens and right in tokens, (left, right)
+        merges.append(f"{left} {right}")
+        tokens.append(left + right)
+        types.append(int(gguf.TokenType.NORMAL))
+    for text in CONTROL_TOKENS:
+        tokens.append(text)
+        types.append(int(gguf.TokenType.CONTROL))
+    return tokens, types, merges
+
+
+def _add_tokenizer(w: gguf.GGUFWriter) -> None:
+    tokens, types, merges = vocabulary()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index(BOS_TOKEN))
+    w.add_eos_token_id(tokens.index(EOS_TOKEN))
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
+    w.add_context_length(CONTEXT_LENGTH)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(RMS_EPS)
+    w.add_rope_freq_base(10000.0)
+    w.add_expert_count(spec.n_expert)
+    w.add_expert_used_count(spec.n_expert_used)
+
+    if spec.arch in ("llama", "olmoe"):
+        # these read the routed experts' hidden size from feed_forward_length
+        w.add_feed_forward_length(spec.n_ff_exp)
+    else:
+        w.add_feed_forward_length(spec.n_ff)
+        w.add_expert_feed_forward_length(spec.n_ff_exp)
+
+    if spec.arch == "qwen3moe":
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+    if spec.arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
+    if spec.arch == "gpt-oss":
+        w.add_sliding_window(64)  # tokens; SWA on even layers (llama.cpp's default pattern)
+    if spec.arch == "deepseek2":
+        _add_deepseek2_hparams(w, spec)
+
+
+def _add_deepseek2_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
+    assert spec.n_head_kv == 1, "MLA caches one latent head per token"
+    w.add_leading_dense_block_count(_DS_DENSE_LEAD)
+    w.add_q_lora_rank(_DS_Q_LORA_RANK)
+    w.add_kv_lora_rank(_DS_KV_LORA_RANK)
+    w.add_rope_dimension_count(_DS_ROPE_DIM)
+    # MLA caches one "head" per token: the compressed kv plus the rope key
+    w.add_key_length(_DS_KV_LORA_RANK + _DS_ROPE_DIM)
+    w.add_value_length(_DS_KV_LORA_RANK)
+    w.add_key_length_mla(_DS_NOPE_DIM + _DS_ROPE_DIM)
+    w.add_value_length_mla(_DS_V_DIM)
+    w.add_expert_shared_count(1)
+    w.add_expert_weights_scale(1.0)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(_DS_N_GROUPS)
+    w.add_expert_group_used_count(_DS_N_GROUPS_USED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _encode(values: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    """float32 values -> (array to store, raw ggml type for quantized bytes or None)."""
+    if qtype == "F32":
+        return values.astype(np.float32), None
+    if qtype == "F16":
+        return values.astype(np.float16), None
+    ggml_type = gguf.GGMLQuantizationType[qtype]
+    return gguf.quants.quantize(values, ggml_type), ggml_type
+
+
+def _write_gguf(spec: FixtureSpec, path: Path) -> None:
+    if spec.requantize_to is not None:
+        assert spec.weight_type in ("F32", "F16") and not spec.expert_types
+    tokens, _, _ = vocabulary()
+    tensors = _build_tensors(spec, n_vocab=len(tokens))
+
+    # shards of at most ceil(n / n_shards) tensors each; a tensor never spans two shards
+    per_shard = math.ceil(len(tensors.items) / spec.n_shards) if spec.n_shards > 1 else 0
+    w = gguf.GGUFWriter(path, spec.arch, split_max_tensors=per_shard)
+    w.add_name(spec.name)
+    w.add_string(FINGERPRINT_KEY, fingerprint(spec))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_hparams(w, spec)
+    _add_tokenizer(w)
+    for name, values, qtype in tensors.items:
+        data, raw_dtype = _encode(values, qtype)
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    written = shard_paths(path, spec.n_shards)
+    assert all(p.is_file() for p in written), f"gguf wrote other shards than {written}"
+
+
+def _requantize(src: Path, dst: Path, qtype: str) -> None:
+    """Quantize every matrix of `src` to the K-quant `qtype` with llama.cpp's own quantizer."""
+    import ctypes
+    import logging
+
+    import llama_cpp  # needs LLAMA_CPP_LIB_PATH; only K-quant fixtures get here
+
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = _LLAMA_FTYPES[qtype]
+    params.pure = True  # no per-tensor mixes: every matrix (routers excepted) becomes qtype
+    params.nthread = 2
+    # llama-cpp-python prints llama.cpp's log when this logger lets INFO through
+    logger = logging.getLogger("llama-cpp-python")
+    saved_level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(),
+                                                ctypes.byref(params))
+    finally:
+        logger.setLevel(saved_level)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) returned {status}")
+
+    # llama.cpp falls back to another type when rows are not a multiple of 256: check
+    wanted = gguf.GGMLQuantizationType[qtype]
+    for tensor in gguf.GGUFReader(dst).tensors:
+        if "_exps." in tensor.name and tensor.tensor_type != wanted:
+            raise RuntimeError(f"{tensor.name} came out {tensor.tensor_type.name}, not {qtype}")

@@ -1,0 +1,440 @@
+"""Where every routed expert lives in a GGUF model (one file or a split set).
+
+`load_index(path)` reads only the GGUF headers (never the tensor data) and returns a
+`ModelIndex`: for each routed expert tensor `blk.N.ffn_{gate,up,down,gate_up}_exps.weight`
+its ggml type, shape, shard, the absolute file offset of expert 0 and the expert stride, so
+that expert e is the byte range [offset + e * stride, offset + (e + 1) * stride) of one file.
+
+The offsets are the ones llama.cpp uses (llama-model-loader.h, `llama_tensor_weight`):
+    offs = gguf_get_data_offset(shard) + gguf_get_tensor_offset(shard, tensor)
+A ggml tensor of shape [ne0, ne1, ne2] (ne0 innermost) is contiguous with
+    nb1 = row_size(type, ne0) = ne0 / block_size * type_size      bytes per row
+    nb2 = nb1 * ne1                                                bytes per expert
+so one expert of a routed tensor [ne0, ne1, n_expert] is one contiguous slice of nb2 bytes.
+
+The header parser is our own (small, reads with plain file reads, so a truncated or foreign
+file gives a clear `ModelError`); the gguf package supplies the type tables and key names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
+
+KINDS = ("gate", "up", "down", "gate_up")
+
+# blk.N.ffn_{gate,up,down,gate_up}_exps.weight: routed experts, 3-D, expert outermost.
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
+# blk.N.ffn_{gate,up,down}.E.weight: the pre-2024 one-tensor-per-expert layout.
+_OLD_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+
+_GGML_MAX_DIMS = 4
+_KNOWN_TYPES = {int(t) for t in GGML_QUANT_SIZES}
+
+# struct formats (little-endian) of the fixed-size GGUF value types.
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
+    GGUFValueType.BOOL: "<?",
+}
+
+
+class ModelError(ValueError):
+    """A model file that cannot be used; the message names the file (and tensor) and a remedy."""
+
+    def __init__(self, path: os.PathLike | str, problem: str, tensor: str | None = None):
+        self.path = Path(path)
+        self.tensor = tensor
+        where = f"{self.path}" + (f": tensor '{tensor}'" if tensor else "")
+        super().__init__(f"{where}: {problem}")
+
+
+def row_size(type_id: int, ne0: int) -> int:
+    """Bytes of one row of `ne0` elements of ggml type `type_id` (ggml_row_size)."""
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+    return ne0 // block_size * type_size
+
+
+def type_name(type_id: int) -> str:
+    return GGMLQuantizationType(type_id).name
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF header parsing
+
+
+@dataclass
+class _TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml order: ne0 (innermost, contiguous) first
+    type_id: int
+    rel_offset: int  # bytes from the start of the shard's data section
+    nbytes: int  # row_size(type, ne0) * ne1 * ne2 * ne3
+
+
+@dataclass
+class _Header:
+    path: Path
+    file_size: int  # bytes
+    metadata: dict  # key -> value; arrays are kept only as their length (int)
+    tensors: list[_TensorInfo]
+    alignment: int
+    data_offset: int  # absolute file offset of the data section
+
+
+class _Reader:
+    """Sequential reads from a file that turn a short read into a ModelError."""
+
+    def __init__(self, f, path: Path, file_size: int):
+        self.f, self.path, self.file_size, self.pos = f, path, file_size, 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > self.file_size - self.pos:
+            raise ModelError(self.path, f"file ends inside the GGUF header (reading {what} at byte {self.pos}, "
+                             f"file is {self.file_size} bytes): it is truncated or not a GGUF; "
+                             "download or copy it again")
+        data = self.f.read(n)
+        self.pos += n
+        return data
+
+    def skip(self, n: int, what: str) -> None:
+        if n > self.file_size - self.pos:
+            self.take(n, what)  # raises: past the end of the file
+        self.f.seek(n, os.SEEK_CUR)
+        self.pos += n
+
+    def scalar(self, vtype: int, what: str):
+        fmt = _SCALAR_FORMATS[vtype]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def u32(self, what: str) -> int:
+        return self.scalar(GGUFValueType.UINT32, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar(GGUFValueType.UINT64, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        return self.take(n, what).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, key: str):
+        """One metadata value; an array is skipped and returned as its length."""
+        if vtype == GGUFValueType.STRING:
+            return self.string(f"value of '{key}'")
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(vtype, f"value of '{key}'")
+        if vtype == GGUFValueType.ARRAY:
+            item_type = self.u32(f"array type of '{key}'")
+            n = self.u64(f"array length of '{key}'")
+            if item_type in _SCALAR_FORMATS:  # fixed size items: skip them in one seek
+                self.skip(n * struct.calcsize(_SCALAR_FORMATS[item_type]), f"array '{key}'")
+            else:
+                for _ in range(n):
+                    self.value(item_type, key)
+            return n
+        raise ModelError(self.path, f"metadata key '{key}' has unknown GGUF value type {vtype}: "
+                         "the file is corrupt or from a newer GGUF version")
+
+
+def _read_header(path: Path) -> _Header:
+    try:
+        file_size = path.stat().st_size
+        f = open(path, "rb")
+    except OSError as e:
+        raise ModelError(path, f"cannot open: {e.strerror}") from None
+    with f:
+        r = _Reader(f, path, file_size)
+        if file_size < 4 or struct.unpack("<I", f.read(4))[0] != GGUF_MAGIC:
+            raise ModelError(path, "not a GGUF file (no 'GGUF' magic at byte 0); give the path of a .gguf model")
+        r.pos = 4
+        version = r.u32("version")
+        if version not in (2, 3):
+            raise ModelError(path, f"unsupported GGUF version {version} (big-endian or too old/new); "
+                             "re-convert the model with a current llama.cpp")
+        n_tensors = r.u64("tensor count")
+        n_kv = r.u64("metadata count")
+
+        metadata: dict = {}
+        for _ in range(n_kv):
+            key = r.string("metadata key")
+            metadata[key] = r.value(r.u32(f"type of '{key}'"), key)
+
+        tensors: list[_TensorInfo] = []
+        for _ in range(n_tensors):
+            name = r.string("tensor name")
+            n_dims = r.u32(f"dimension count of '{name}'")
+            if n_dims > _GGML_MAX_DIMS:
+                raise ModelError(path, f"has {n_dims} dimensions (ggml allows {_GGML_MAX_DIMS}); the file is corrupt",
+                                 name)
+            shape = tuple(r.scalar(GGUFValueType.INT64, f"shape of '{name}'") for _ in range(n_dims))
+            type_id = r.u32(f"type of '{name}'")
+            rel_offset = r.u64(f"offset of '{name}'")
+            if type_id not in _KNOWN_TYPES:
+                raise ModelError(path, f"has unknown ggml type {type_id}; update the gguf package or re-convert",
+                                 name)
+            block_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)][0]
+            if any(ne < 0 for ne in shape) or (shape and shape[0] % block_size):
+                raise ModelError(path, f"has an invalid shape {list(shape)} for type {type_name(type_id)}", name)
+            n_rows = 1
+            for ne in shape[1:]:
+                n_rows *= ne
+            nbytes = row_size(type_id, shape[0] if shape else 1) * n_rows
+            tensors.append(_TensorInfo(name, shape, type_id, rel_offset, nbytes))
+
+    alignment = metadata.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelError(path, f"general.alignment = {alignment!r} is not a power of two; the file is corrupt")
+    # The data section starts at the next multiple of the alignment after the header (llama.cpp
+    # pads only when there are tensors).
+    data_offset = -(-r.pos // alignment) * alignment if tensors else r.pos
+
+    # llama.cpp's gguf reader insists that tensors are packed in order, each padded to the
+    # alignment; and the loader that each tensor's data lies inside the file.
+    expected = 0
+    for t in tensors:
+        if t.rel_offset != expected:
+            raise ModelError(path, f"data offset {t.rel_offset} is not the expected {expected} "
+                             "(llama.cpp would reject this file); re-convert the model", t.name)
+        if data_offset + t.rel_offset + t.nbytes > file_size:
+            raise ModelError(path, f"data ends at byte {data_offset + t.rel_offset + t.nbytes} but the file has "
+                             f"only {file_size} bytes: the file is truncated; download or copy it again", t.name)
+        expected += -(-t.nbytes // alignment) * alignment
+    return _Header(path, file_size, metadata, tensors, alignment, data_offset)
+
+
+# --------------------------------------------------------------------------------------------
+# The index
+
+
+@dataclass
+class Shard:
+    index: int  # 0-based, as split.no
+    path: Path
+    file_size: int  # bytes
+    data_offset: int  # absolute file offset of the data section
+    n_tensors: int
+
+
+@dataclass
+class ExpertTensor:
+    """One routed expert tensor [ne0, ne1, n_expert]; expert e = bytes [offset + e*stride, +stride)."""
+
+    name: str
+    layer: int
+    kind: str  # gate | up | down | gate_up
+    type_name: str  # ggml type, e.g. "Q4_K"
+    shape: tuple[int, int, int]  # (ne0, ne1, n_expert), ggml order
+    shard: int  # index into ModelIndex.shards
+    path: Path  # file holding the tensor
+    offset: int  # absolute file offset of expert 0 (data offset + tensor offset)
+    stride: int  # nb2: bytes of one expert = row_size(type, ne0) * ne1
+
+    @property
+    def n_expert(self) -> int:
+        return self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.stride * self.shape[2]
+
+    def expert(self, e: int) -> tuple[Path, int, int]:
+        """(path, absolute offset, size in bytes) of expert e's slice of this tensor."""
+        if not 0 <= e < self.shape[2]:
+            raise IndexError(f"expert {e} out of range 0..{self.shape[2] - 1} for {self.name}")
+        return self.path, self.offset + e * self.stride, self.stride
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "layer": self.layer, "kind": self.kind, "type": self.type_name,
+                "shape": list(self.shape), "shard": self.shard, "path": str(self.path),
+                "offset": self.offset, "stride": self.stride}
+
+
+@dataclass
+class MoeLayer:
+    layer: int
+    tensors: dict[str, ExpertTensor]  # kind -> tensor, in KINDS order
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert over all of this layer's routed tensors (one miss reads this)."""
+        return sum(t.stride for t in self.tensors.values())
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "expert_bytes": self.expert_bytes,
+                "tensors": {kind: t.to_dict() for kind, t in self.tensors.items()}}
+
+
+@dataclass
+class ModelIndex:
+    path: Path  # first shard (the path llama.cpp must be given)
+    shards: list[Shard]
+    architecture: str
+    n_layer: int  # <arch>.block_count
+    n_expert: int  # <arch>.expert_count, 0 if absent
+    n_expert_used: int  # <arch>.expert_used_count (top-k), 0 if absent
+    layers: list[MoeLayer] = field(default_factory=list)  # MoE layers only, ascending
+    expert_bytes_total: int = 0  # bytes of all routed expert tensors
+    other_bytes_total: int = 0  # bytes of every other tensor (resident weights)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [l.layer for l in self.layers]
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.layers)
+
+    @property
+    def cold_bytes_per_token(self) -> int:
+        """Bytes a token reads at 0 % cache hits: top-k experts on every MoE layer."""
+        return sum(self.n_expert_used * l.expert_bytes for l in self.layers)
+
+    def layer(self, il: int) -> MoeLayer:
+        for l in self.layers:
+            if l.layer == il:
+                return l
+        raise KeyError(f"layer {il} is not a MoE layer of {self.path}")
+
+    def expert_tensors(self) -> list[ExpertTensor]:
+        return [t for l in self.layers for t in l.tensors.values()]
+
+    def to_dict(self) -> dict:
+        return {
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "n_layer": self.n_layer,
+            "n_expert": self.n_expert,
+            "n_expert_used": self.n_expert_used,
+            "moe_layers": self.moe_layers,
+            "shards": [{"index": s.index, "path": str(s.path), "file_size": s.file_size,
+                        "data_offset": s.data_offset, "n_tensors": s.n_tensors} for s in self.shards],
+            "expert_bytes_total": self.expert_bytes_total,
+            "other_bytes_total": self.other_bytes_total,
+            "cold_bytes_per_token": self.cold_bytes_per_token,
+            "layers": [l.to_dict() for l in self.layers],
+        }
+
+
+def _shard_paths(path: Path, header: _Header) -> list[Path]:
+    """All shard paths of a split model (`<prefix>-00001-of-0000N.gguf`), or [path]."""
+    count = header.metadata.get(Keys.Split.LLM_KV_SPLIT_COUNT, 0)
+    if not isinstance(count, int) or count <= 1:
+        return [path]
+    no = header.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)
+    if not isinstance(no, int) or not 0 <= no < count:
+        raise ModelError(path, f"split.count is {count} but split.no is {no!r}; the shard is corrupt")
+    suffix = f"-{no + 1:05d}-of-{count:05d}.gguf"
+    if not path.name.endswith(suffix) or len(path.name) == len(suffix):
+        raise ModelError(path, f"is shard {no + 1} of {count} but its name does not end in '{suffix}'; "
+                         "rename the shards to llama.cpp's <prefix>-NNNNN-of-NNNNN.gguf")
+    prefix = path.name[: -len(suffix)]
+    return [path.with_name(f"{prefix}-{i + 1:05d}-of-{count:05d}.gguf") for i in range(count)]
+
+
+def _get_int(header: _Header, key: str, default: int) -> int:
+    value = header.metadata.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelError(header.path, f"metadata '{key}' is {value!r}, not an integer; the file is corrupt")
+    return value
+
+
+def load_index(path: os.PathLike | str) -> ModelIndex:
+    """Index the routed experts of a GGUF model; `path` may be any shard of a split model."""
+    path = Path(path)
+    header = _read_header(path)
+    paths = _shard_paths(path, header)
+
+    headers = []
+    for i, p in enumerate(paths):
+        if p != path and not p.exists():
+            raise ModelError(p, f"shard {i + 1} of {len(paths)} is missing; put all shards in one directory")
+        h = header if p == path else _read_header(p)
+        if len(paths) > 1 and h.metadata.get(Keys.Split.LLM_KV_SPLIT_NO) != i:
+            raise ModelError(p, f"split.no is {h.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)!r}, expected {i}; "
+                             "the shards do not belong together")
+        headers.append(h)
+    first = headers[0]  # llama.cpp reads the model's metadata from the first shard only
+
+    arch = first.metadata.get(Keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise ModelError(first.path, "has no general.architecture; it is not a llama.cpp model")
+    n_layer = _get_int(first, Keys.LLM.BLOCK_COUNT.format(arch=arch), 0)
+    n_expert = _get_int(first, Keys.LLM.EXPERT_COUNT.format(arch=arch), 0)
+    n_expert_used = _get_int(first, Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), 0)
+
+    shards: list[Shard] = []
+    by_layer: dict[int, dict[str, ExpertTensor]] = {}
+    seen: set[str] = set()
+    expert_bytes = other_bytes = 0
+    for i, h in enumerate(headers):
+        shards.append(Shard(i, h.path, h.file_size, h.data_offset, len(h.tensors)))
+        for t in h.tensors:
+            if t.name in seen:
+                raise ModelError(h.path, "appears twice in the model; the shards do not belong together", t.name)
+            seen.add(t.name)
+            if _OLD_EXPERT_RE.match(t.name):
+                raise ModelError(h.path, "uses the old one-tensor-per-expert layout, which llama.cpp no longer "
+                                 "loads; re-convert the model with a current convert_hf_to_gguf.py", t.name)
+            m = _EXPS_RE.match(t.name)
+            if not m:
+                other_bytes += t.nbytes
+                continue
+            layer, kind = int(m.group(1)), m.group(2)
+            shape = t.shape + (1,) * (_GGML_MAX_DIMS - len(t.shape))  # pad to 4 dims, as ggml does
+            if len(t.shape) < 3 or shape[3] != 1:
+                raise ModelError(h.path, f"has shape {list(t.shape)}; a routed expert tensor must be 3-D "
+                                 "[ne0, ne1, n_expert]; re-convert the model", t.name)
+            if shape[2] != n_expert:
+                raise ModelError(h.path, f"holds {shape[2]} experts but {arch}.expert_count is {n_expert}; "
+                                 "the model is inconsistent, re-convert it", t.name)
+            if not 0 <= layer < n_layer:
+                raise ModelError(h.path, f"is on layer {layer} but {arch}.block_count is {n_layer}", t.name)
+            expert_bytes += t.nbytes
+            by_layer.setdefault(layer, {})[kind] = ExpertTensor(
+                name=t.name, layer=layer, kind=kind, type_name=type_name(t.type_id),
+                shape=(shape[0], shape[1], shape[2]), shard=i, path=h.path,
+                offset=h.data_offset + t.rel_offset,
+                stride=row_size(t.type_id, shape[0]) * shape[1])
+
+    split_tensors = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    if len(headers) > 1 and split_tensors is not None and split_tensors != len(seen):
+        raise ModelError(first.path, f"split.tensors.count is {split_tensors} but the {len(headers)} shards hold "
+                         f"{len(seen)} tensors; some shard is from another model")
+
+    layers = [_check_layer(first.path, il, by_layer[il]) for il in sorted(by_layer)]
+    if layers and not 0 < n_expert_used <= n_expert:
+        raise ModelError(first.path, f"{arch}.expert_used_count is {n_expert_used} with {n_expert} experts; "
+                         "the model is inconsistent, re-convert it")
+    return ModelIndex(first.path, shards, arch, n_layer, n_expert, n_expert_used, layers,
+                      expert_bytes, other_bytes)
+
+
+def _check_layer(path: Path, il: int, tensors: dict[str, ExpertTensor]) -> MoeLayer:
+    """Check that one layer's expert tensors form an FFN: gate/up [n_embd, n_ff], down [n_ff, n_embd],
+    gate_up [n_embd, 2*n_ff]."""
+    def bad(name: str, problem: str) -> ModelError:
+        return ModelError(path, f"{problem}; the model is inconsistent, re-convert it", name)
+
+    down = tensors.get("down")
+    if down is None:
+        any_t = next(iter(tensors.values()))
+        raise bad(any_t.name, f"layer {il} has routed experts but no blk.{il}.ffn_down_exps.weight")
+    if "up" not in tensors and "gate_up" not in tensors:
+        raise bad(down.name, f"layer {il} has no blk.{il}.ffn_up_exps.weight nor ffn_gate_up_exps.weight")
+    if "gate_up" in tensors and ("gate" in tensors or "up" in tensors):
+        raise bad(tensors["gate_up"].name, f"layer {il} has both a merged gate_up and separate gate/up experts")
+    n_ff, n_embd = down.shape[0], down.shape[1]
+    for kind, t in tensors.items():
+        want = {"gate": (n_embd, n_ff), "up": (n_embd, n_ff), "gate_up": (n_embd, 2 * n_ff)}.get(kind)
+        if want is not None and t.shape[:2] != want:
+            raise bad(t.name, f"has shape {list(t.shape[:2])} but {down.name} is {[n_ff, n_embd]} "
+                      f"(so {kind} should be {list(want)})")
+    return MoeLayer(il, {k: tensors[k] for k in KINDS if k in tensors})
