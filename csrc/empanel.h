@@ -1,10 +1,14 @@
 #pragma once
 
-// empanel sidecar: the C side of empanel-gguf. Python (cffi, ABI mode) reads this header with the
-// preprocessor lines removed, so keep declarations plain C, one per line.
+// empanel sidecar: the C side of empanel-gguf. For every paged MoE layer it keeps which expert
+// sits in which slot of the layer's pools, picks victims on a miss, and reads the missing experts'
+// bytes from the GGUF file with pread on its own file descriptors.
+//
+// Python (empanel_gguf/_native.py, cffi in ABI mode) reads this header with preprocessor lines
+// and comments removed: keep the declarations plain C.
 
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -18,7 +22,73 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 1
+#define EMPANEL_SIDECAR_VERSION 2
+
+// one routed-expert tensor of one layer, as it lies in the GGUF file
+struct empanel_tensor_desc {
+    int32_t      layer;        // MoE layer index (blk.N)
+    int32_t      file;         // index into the paths given to empanel_pool_init
+    uint64_t     offset;       // bytes: where expert 0's slice starts in that file
+    uint64_t     expert_size;  // bytes of one expert's slice (nb2)
+    const char * name;         // GGUF tensor name, e.g. "blk.3.ffn_down_exps.weight"
+};
+
+// counters of one layer; times in nanoseconds
+struct empanel_layer_stats {
+    uint64_t n_remaps;     // remap calls (one per micro-batch)
+    uint64_t n_ids;        // (token, expert) pairs routed
+    uint64_t hits;         // distinct experts of a micro-batch already resident
+    uint64_t misses;       // distinct experts of a micro-batch read from the file
+    uint64_t bytes_read;   // bytes read from the file
+    uint64_t read_ns;      // time spent reading
+    uint64_t remap_ns;     // time spent in remap (lookups + reads + writes into slots)
+    int32_t  n_slots;
+    int32_t  n_resident;   // slots holding an expert
+};
+
+struct empanel_pool;
+
+// the pools of one model: n_layer entries of n_slots (0 = layer not paged), n_expert experts per
+// layer, the expert tensors of all paged layers. Opens the files; NULL on failure, with the
+// reason in err.
+EMPANEL_API struct empanel_pool * empanel_pool_init(
+        const char * const * paths,
+        int32_t              n_paths,
+        int32_t              n_layer,
+        const int32_t      * n_slots,
+        int32_t              n_expert,
+        const struct empanel_tensor_desc * tensors,
+        int32_t              n_tensors,
+        char               * err,
+        size_t               err_size);
+
+EMPANEL_API void empanel_pool_free(struct empanel_pool * pool);
+
+// after the model is loaded: the pool tensor (a ggml_tensor * of libllama) for each expert
+// tensor, by the GGUF name given in its desc. Returns 0, or -1 (reason in empanel_pool_error).
+EMPANEL_API int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * pool_tensor);
+
+// the remap hook (llama_empanel_remap_fn): expert ids of one micro-batch -> slot ids, reading the
+// missing experts first. Returns 0, or -1 after recording the failure (see empanel_pool_failed).
+EMPANEL_API int32_t empanel_remap(
+        void          * pool,
+        int32_t         il,
+        const int32_t * expert_ids,
+        int64_t         ids_row_stride,
+        int32_t       * slot_ids,
+        int32_t         n_used,
+        int32_t         n_tokens);
+
+// abort callback for llama_set_abort_callback: true once a remap failed
+EMPANEL_API _Bool empanel_pool_failed(void * pool);
+
+// the first failure's message ("" if none), and forgetting it (the failed slots stay empty)
+EMPANEL_API const char * empanel_pool_error(struct empanel_pool * pool);
+EMPANEL_API void         empanel_pool_clear_error(struct empanel_pool * pool);
+
+// counters of layer il (zeros for a layer that is not paged); reset all counters
+EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out);
+EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
 

@@ -1,7 +1,350 @@
 // Expert slot pools: which expert of a layer sits in which slot, what to evict, what to read.
+//
+// One empanel_pool per model. Each paged layer has n_slots slots shared by its expert tensors
+// (gate/up/down or gate_up/down): slot s of every tensor of the layer holds the same expert.
+// A remap call handles one micro-batch of one layer: hits keep their slots, misses take the least
+// recently used slots that this micro-batch does not use, and are read from the file.
 
 #include "empanel.h"
+#include "empanel-impl.h"
+
+#include "llama-empanel.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 int32_t empanel_sidecar_version(void) {
     return EMPANEL_SIDECAR_VERSION;
+}
+
+void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...) {
+    if (atomic_load(&pool->failed)) {
+        return; // keep the first failure: it is the cause
+    }
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(pool->error, sizeof(pool->error), fmt, args);
+    va_end(args);
+    atomic_store(&pool->failed, 1);
+}
+
+static void format_err(char * err, size_t err_size, const char * fmt, ...) {
+    if (err == NULL || err_size == 0) {
+        return;
+    }
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, err_size, fmt, args);
+    va_end(args);
+}
+
+// ------------------------------------------------------------------------------------------------
+// init / free
+
+static int layer_alloc(struct empanel_layer * layer, int32_t n_slots, int32_t n_expert) {
+    layer->n_slots   = n_slots;
+    layer->slot_of   = malloc(sizeof(int32_t)  * n_expert);  // [n_expert] slot or -1
+    layer->miss_mark = calloc(n_expert, sizeof(uint64_t));   // [n_expert] call that found it missing
+    layer->expert_in = malloc(sizeof(int32_t)  * n_slots);   // [n_slots] expert or -1
+    layer->last_use  = calloc(n_slots, sizeof(uint64_t));    // [n_slots] call of last use
+    layer->call_mark = calloc(n_slots, sizeof(uint64_t));    // [n_slots] call that uses it now
+    layer->misses    = malloc(sizeof(int32_t)  * n_expert);  // [n_expert] scratch: this call's misses
+    if (!layer->slot_of || !layer->miss_mark || !layer->expert_in || !layer->last_use ||
+        !layer->call_mark || !layer->misses) {
+        return -1;
+    }
+    for (int32_t e = 0; e < n_expert; e++) {
+        layer->slot_of[e] = -1;
+    }
+    for (int32_t s = 0; s < n_slots; s++) {
+        layer->expert_in[s] = -1;
+    }
+    return 0;
+}
+
+static void layer_free(struct empanel_layer * layer) {
+    free(layer->slot_of);
+    free(layer->miss_mark);
+    free(layer->expert_in);
+    free(layer->last_use);
+    free(layer->call_mark);
+    free(layer->misses);
+}
+
+struct empanel_pool * empanel_pool_init(
+        const char * const * paths,
+        int32_t              n_paths,
+        int32_t              n_layer,
+        const int32_t      * n_slots,
+        int32_t              n_expert,
+        const struct empanel_tensor_desc * tensors,
+        int32_t              n_tensors,
+        char               * err,
+        size_t               err_size) {
+    if (n_paths <= 0 || n_layer <= 0 || n_expert <= 0) {
+        format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
+        return NULL;
+    }
+    struct empanel_pool * pool = calloc(1, sizeof(*pool));
+    if (pool == NULL) {
+        format_err(err, err_size, "empanel_pool_init: out of memory");
+        return NULL;
+    }
+    pthread_mutex_init(&pool->lock, NULL);
+    atomic_init(&pool->failed, 0);
+    pool->n_layer  = n_layer;
+    pool->n_expert = n_expert;
+    pool->layers   = calloc(n_layer, sizeof(struct empanel_layer));
+    if (pool->layers == NULL) {
+        format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_pool_free(pool);
+        return NULL;
+    }
+
+    if (empanel_files_open(pool, paths, n_paths, err, err_size) != 0) {
+        empanel_pool_free(pool);
+        return NULL;
+    }
+
+    for (int32_t il = 0; il < n_layer; il++) {
+        if (n_slots[il] <= 0) {
+            continue;
+        }
+        if (n_slots[il] > n_expert) {
+            format_err(err, err_size, "layer %d: %d slots for %d experts", il, n_slots[il], n_expert);
+            empanel_pool_free(pool);
+            return NULL;
+        }
+        if (layer_alloc(&pool->layers[il], n_slots[il], n_expert) != 0) {
+            format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", il);
+            empanel_pool_free(pool);
+            return NULL;
+        }
+    }
+
+    for (int32_t i = 0; i < n_tensors; i++) {
+        const struct empanel_tensor_desc * d = &tensors[i];
+        if (d->layer < 0 || d->layer >= n_layer || pool->layers[d->layer].n_slots == 0) {
+            format_err(err, err_size, "%s: layer %d is not paged", d->name, d->layer);
+            empanel_pool_free(pool);
+            return NULL;
+        }
+        struct empanel_layer * layer = &pool->layers[d->layer];
+        if (layer->n_tensors == EMPANEL_MAX_TENSORS) {
+            format_err(err, err_size, "%s: more than %d expert tensors in layer %d", d->name, EMPANEL_MAX_TENSORS, d->layer);
+            empanel_pool_free(pool);
+            return NULL;
+        }
+        if (d->file < 0 || d->file >= n_paths ||
+            d->offset + d->expert_size * (uint64_t) n_expert > pool->files[d->file].size) {
+            format_err(err, err_size, "%s: experts lie outside %s (offset %llu + %d x %llu bytes > %llu)",
+                       d->name, d->file >= 0 && d->file < n_paths ? paths[d->file] : "?",
+                       (unsigned long long) d->offset, n_expert, (unsigned long long) d->expert_size,
+                       d->file >= 0 && d->file < n_paths ? (unsigned long long) pool->files[d->file].size : 0ULL);
+            empanel_pool_free(pool);
+            return NULL;
+        }
+        struct empanel_tensor * t = &layer->tensors[layer->n_tensors++];
+        snprintf(t->name, sizeof(t->name), "%s", d->name);
+        t->file        = d->file;
+        t->offset      = d->offset;
+        t->expert_size = d->expert_size;
+        if (d->expert_size > pool->bounce_size) {
+            pool->bounce_size = d->expert_size;
+        }
+    }
+    pool->bounce = malloc(pool->bounce_size > 0 ? pool->bounce_size : 1);
+    if (pool->bounce == NULL) {
+        format_err(err, err_size, "empanel_pool_init: out of memory for a %llu-byte read buffer",
+                   (unsigned long long) pool->bounce_size);
+        empanel_pool_free(pool);
+        return NULL;
+    }
+    return pool;
+}
+
+void empanel_pool_free(struct empanel_pool * pool) {
+    if (pool == NULL) {
+        return;
+    }
+    if (pool->layers != NULL) {
+        for (int32_t il = 0; il < pool->n_layer; il++) {
+            layer_free(&pool->layers[il]);
+        }
+        free(pool->layers);
+    }
+    empanel_files_close(pool);
+    free(pool->bounce);
+    pthread_mutex_destroy(&pool->lock);
+    free(pool);
+}
+
+int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * pool_tensor) {
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        struct empanel_layer * layer = &pool->layers[il];
+        for (int32_t i = 0; i < layer->n_tensors; i++) {
+            struct empanel_tensor * t = &layer->tensors[i];
+            if (strcmp(t->name, name) != 0) {
+                continue;
+            }
+            if (pool_tensor == NULL) {
+                empanel_set_error(pool, "%s: llama.cpp made no slot pool for it", name);
+                return -1;
+            }
+            t->pool = pool_tensor;
+            return 0;
+        }
+    }
+    empanel_set_error(pool, "%s: not an expert tensor of this pool", name);
+    return -1;
+}
+
+// ------------------------------------------------------------------------------------------------
+// remap
+
+// least recently used slot that this call does not use; -1 if every slot is in use
+static int32_t pick_victim(const struct empanel_layer * layer, uint64_t call) {
+    int32_t  victim = -1;
+    uint64_t oldest = UINT64_MAX;
+    for (int32_t s = 0; s < layer->n_slots; s++) {
+        if (layer->call_mark[s] == call) {
+            continue;
+        }
+        if (layer->last_use[s] < oldest) { // empty slots have last_use 0: taken first
+            oldest = layer->last_use[s];
+            victim = s;
+        }
+    }
+    return victim;
+}
+
+static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
+                            int64_t ids_row_stride, int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
+    if (atomic_load(&pool->failed)) {
+        return -1;
+    }
+    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots == 0) {
+        empanel_set_error(pool, "remap: layer %d has no slot pool", il);
+        return -1;
+    }
+    struct empanel_layer * layer = &pool->layers[il];
+    const uint64_t call = ++pool->call;
+
+    // hits keep their slots; distinct misses are collected in order of first use
+    int32_t n_miss = 0;
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = row[j];
+            if (e < 0 || e >= pool->n_expert) {
+                empanel_set_error(pool, "remap: layer %d routed to expert %d of %d", il, e, pool->n_expert);
+                return -1;
+            }
+            const int32_t s = layer->slot_of[e];
+            if (s >= 0) {
+                if (layer->call_mark[s] != call) {
+                    layer->call_mark[s] = call;
+                    layer->last_use[s]  = call;
+                    layer->stats.hits++;
+                }
+            } else if (layer->miss_mark[e] != call) {
+                layer->miss_mark[e] = call;
+                layer->misses[n_miss++] = e;
+            }
+        }
+    }
+    layer->stats.n_ids += (uint64_t) n_tokens * (uint64_t) n_used;
+
+    if (n_miss > 0 && empanel_files_check(pool) != 0) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n_miss; i++) {
+        const int32_t e = layer->misses[i];
+        const int32_t s = pick_victim(layer, call);
+        if (s < 0) {
+            empanel_set_error(pool,
+                "remap: layer %d: this micro-batch routes to more distinct experts than the %d slots "
+                "(lower n_ubatch, or raise moe_slots)", il, layer->n_slots);
+            return -1;
+        }
+        if (layer->expert_in[s] >= 0) {
+            layer->slot_of[layer->expert_in[s]] = -1;
+        }
+        layer->expert_in[s] = -1; // empty until every tensor of the expert is in place
+        layer->call_mark[s] = call;
+        layer->last_use[s]  = call;
+        if (empanel_read_expert(pool, layer, e, s) != 0) {
+            return -1;
+        }
+        layer->expert_in[s] = e;
+        layer->slot_of[e]   = s;
+        layer->stats.misses++;
+    }
+
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            slot_ids[(int64_t) t * n_used + j] = layer->slot_of[row[j]];
+        }
+    }
+    layer->stats.n_remaps++;
+    return 0;
+}
+
+int32_t empanel_remap(void * user, int32_t il, const int32_t * expert_ids, int64_t ids_row_stride,
+                      int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
+    struct empanel_pool * pool = user;
+    const uint64_t t0 = empanel_now_ns();
+    pthread_mutex_lock(&pool->lock);
+    const int32_t rc = remap_locked(pool, il, expert_ids, ids_row_stride, slot_ids, n_used, n_tokens);
+    if (il >= 0 && il < pool->n_layer) {
+        pool->layers[il].stats.remap_ns += empanel_now_ns() - t0;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
+}
+
+_Bool empanel_pool_failed(void * user) {
+    const struct empanel_pool * pool = user;
+    return atomic_load(&pool->failed) != 0;
+}
+
+const char * empanel_pool_error(struct empanel_pool * pool) {
+    return atomic_load(&pool->failed) ? pool->error : "";
+}
+
+void empanel_pool_clear_error(struct empanel_pool * pool) {
+    pthread_mutex_lock(&pool->lock);
+    pool->error[0] = '\0';
+    atomic_store(&pool->failed, 0);
+    pthread_mutex_unlock(&pool->lock);
+}
+
+// ------------------------------------------------------------------------------------------------
+// stats
+
+void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out) {
+    memset(out, 0, sizeof(*out));
+    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots == 0) {
+        return;
+    }
+    pthread_mutex_lock(&pool->lock);
+    const struct empanel_layer * layer = &pool->layers[il];
+    *out = layer->stats;
+    out->n_slots    = layer->n_slots;
+    out->n_resident = 0;
+    for (int32_t s = 0; s < layer->n_slots; s++) {
+        out->n_resident += layer->expert_in[s] >= 0;
+    }
+    pthread_mutex_unlock(&pool->lock);
+}
+
+void empanel_stats_reset(struct empanel_pool * pool) {
+    pthread_mutex_lock(&pool->lock);
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        memset(&pool->layers[il].stats, 0, sizeof(pool->layers[il].stats));
+    }
+    pthread_mutex_unlock(&pool->lock);
 }

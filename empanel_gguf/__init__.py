@@ -11,4 +11,6 @@ from ._native import NativeLibraryError, use_our_libraries
 
 llama_cpp = use_our_libraries()
 
-__all__ = ["NativeLibraryError", "llama_cpp", "__version__"]
+from .llama import Llama, MoeReadError  # noqa: E402  (needs llama_cpp loaded as above)
+
+__all__ = ["Llama", "MoeReadError", "NativeLibraryError", "llama_cpp", "__version__"]

@@ -17,7 +17,7 @@ from . import _pins
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
 HEADER = Path(__file__).resolve().parent.parent / "csrc" / "empanel.h"
 
-_sidecar = None  # (ffi, lib) once opened
+_sidecar = None  # Native, once opened
 
 
 class NativeLibraryError(ImportError):
@@ -125,28 +125,53 @@ def use_our_libraries():
 
 
 def _cdef_from_header(text):
-    """The declarations of empanel.h in a form cffi's cdef accepts: no preprocessor lines,
-    no export macros, no extern "C" braces."""
+    """The declarations of empanel.h in a form cffi's cdef accepts: no comments, no preprocessor
+    lines, no export macros, no extern "C" braces."""
+    text = re.sub(r"//[^\n]*", "", text)
     lines = []
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("#") or stripped in ('extern "C" {', "}"):
             continue
         lines.append(line.replace("EMPANEL_API ", ""))
-    text = "\n".join(lines)
-    return re.sub(r"//[^\n]*", "", text)
+    return "\n".join(lines)
 
 
-def sidecar():
-    """(ffi, lib) for libempanel, opened once."""
-    global _sidecar
-    if _sidecar is None:
+# the parts of libllama's C API (llama.h, llama-empanel.h) that the sidecar is wired up with
+_LLAMA_CDEF = """
+typedef int32_t (*llama_empanel_remap_fn)(void *, int32_t, const int32_t *, int64_t, int32_t *, int32_t, int32_t);
+void    llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empanel_remap_fn remap, void * user);
+void    llama_empanel_clear_plan(void);
+int32_t llama_empanel_n_pools(const void * model);
+void *  llama_empanel_pool(const void * model, const char * name);
+void    llama_set_abort_callback(void * ctx, _Bool (*abort_callback)(void *), void * data);
+"""
+
+
+class Native:
+    """cffi handles: `ffi`, `sidecar` (libempanel) and `llama` (our libllama, as loaded by llama_cpp)."""
+
+    def __init__(self):
         import cffi
 
-        ffi = cffi.FFI()
-        ffi.cdef(_cdef_from_header(_header_text()))
-        lib = ffi.dlopen(str(lib_dir() / _shared_lib_name("empanel")))
-        _sidecar = (ffi, lib)
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(_cdef_from_header(_header_text()))
+        self.ffi.cdef(_LLAMA_CDEF)
+        # libllama first: libempanel links it, and it must be the very library llama_cpp loaded
+        self.llama = self.ffi.dlopen(str(lib_dir() / _shared_lib_name("llama")))
+        self.sidecar = self.ffi.dlopen(str(lib_dir() / _shared_lib_name("empanel")))
+
+    def ptr(self, ctypes_pointer):
+        """A llama-cpp-python ctypes pointer (c_void_p) as a cffi void *."""
+        value = ctypes_pointer.value if hasattr(ctypes_pointer, "value") else ctypes_pointer
+        return self.ffi.cast("void *", value or 0)
+
+
+def native():
+    """The Native handles, made once."""
+    global _sidecar
+    if _sidecar is None:
+        _sidecar = Native()
     return _sidecar
 
 

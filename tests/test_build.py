@@ -181,8 +181,7 @@ def test_import_loads_our_library_and_checks_it():
         import empanel_gguf, llama_cpp
         from empanel_gguf import _native
         print(llama_cpp.llama_cpp._lib._name)
-        ffi, lib = _native.sidecar()
-        print(lib.empanel_sidecar_version())
+        print(_native.native().sidecar.empanel_sidecar_version())
     """)
     assert proc.returncode == 0, proc.stderr
     loaded, version = proc.stdout.split()

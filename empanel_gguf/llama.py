@@ -1,0 +1,218 @@
+"""`Llama`: llama-cpp-python's Llama with expert slot pools for MoE models.
+
+    from empanel_gguf import Llama
+    llm = Llama("model.gguf", moe_slots="25%")   # any llama_cpp.Llama argument works as well
+
+With moe_slots=None it is llama_cpp.Llama, unchanged. Otherwise each MoE layer's routed experts
+live in a pool of slots; the experts the router picks are read from the GGUF file on demand by the
+sidecar. Outputs are bit-identical to the model fully in memory on the same build.
+"""
+
+import sys
+
+from . import _native
+from ._native import native, use_our_libraries
+from .index import load_index
+from .sizing import plan_slots
+
+llama_cpp = use_our_libraries()
+
+
+class MoeReadError(RuntimeError):
+    """Reading experts from the model file failed during a decode; nothing was returned."""
+
+
+class ExpertPools:
+    """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
+
+    def __init__(self, index, plan):
+        self.index = index
+        self.plan = plan
+        self.n = native()
+        ffi = self.n.ffi
+        self._keep = []  # cffi buffers that must outlive the C pool
+
+        paths = [ffi.new("char[]", str(shard.path).encode()) for shard in index.shards]
+        path_array = ffi.new("const char *[]", paths)
+        tensors = index.expert_tensors()
+        names = [ffi.new("char[]", t.name.encode()) for t in tensors]
+        descs = ffi.new("struct empanel_tensor_desc[]", len(tensors))
+        for i, t in enumerate(tensors):
+            descs[i].layer = t.layer
+            descs[i].file = t.shard
+            descs[i].offset = t.offset
+            descs[i].expert_size = t.stride
+            descs[i].name = names[i]
+        self.n_slots = ffi.new("int32_t[]", plan.n_slots)
+        err = ffi.new("char[]", 512)
+        self.pool = self.n.sidecar.empanel_pool_init(
+            path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
+            descs, len(tensors), err, 512)
+        if self.pool == ffi.NULL:
+            raise _native.NativeLibraryError(f"empanel: {ffi.string(err).decode()}")
+        self._keep += [paths, path_array, names, descs]
+
+    def set_plan(self):
+        """Hand the plan to libllama for the load that follows on this thread."""
+        self.n.llama.llama_empanel_set_plan(self.n_slots, self.index.n_layer,
+                                            self.n.sidecar.empanel_remap, self.pool)
+
+    def clear_plan(self):
+        self.n.llama.llama_empanel_clear_plan()
+
+    def bind(self, model, ctx):
+        """Point the sidecar at the pool tensors of the loaded model; stop the graph on failure."""
+        model_p = self.n.ptr(model)
+        n_pools = self.n.llama.llama_empanel_n_pools(model_p)
+        tensors = self.index.expert_tensors()
+        if n_pools != len(tensors):
+            raise _native.NativeLibraryError(
+                f"empanel: llama.cpp made {n_pools} slot pools for the {len(tensors)} routed-expert "
+                f"tensors of {self.index.path}; this architecture's loader is not supported yet")
+        for t in tensors:
+            pool_tensor = self.n.llama.llama_empanel_pool(model_p, t.name.encode())
+            if self.n.sidecar.empanel_pool_bind(self.pool, t.name.encode(), pool_tensor) != 0:
+                raise _native.NativeLibraryError(f"empanel: {self.error()}")
+        self.n.llama.llama_set_abort_callback(self.n.ptr(ctx), self.n.sidecar.empanel_pool_failed, self.pool)
+
+    def failed(self):
+        return bool(self.n.sidecar.empanel_pool_failed(self.pool))
+
+    def error(self):
+        return self.n.ffi.string(self.n.sidecar.empanel_pool_error(self.pool)).decode(errors="replace")
+
+    def clear_error(self):
+        self.n.sidecar.empanel_pool_clear_error(self.pool)
+
+    def stats(self):
+        """Counters per MoE layer and in total (times in seconds)."""
+        ffi = self.n.ffi
+        out = ffi.new("struct empanel_layer_stats *")
+        layers = {}
+        total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "read_s",
+                               "remap_s", "n_slots", "n_resident"), 0)
+        for il in self.index.moe_layers:
+            self.n.sidecar.empanel_stats_get(self.pool, il, out)
+            row = {
+                "n_remaps": out.n_remaps, "n_ids": out.n_ids, "hits": out.hits,
+                "misses": out.misses, "bytes_read": out.bytes_read,
+                "read_s": out.read_ns / 1e9, "remap_s": out.remap_ns / 1e9,
+                "n_slots": out.n_slots, "n_resident": out.n_resident,
+            }
+            row["hit_rate"] = _rate(row["hits"], row["misses"])
+            layers[il] = row
+            for key in total:
+                total[key] += row[key]
+        total["hit_rate"] = _rate(total["hits"], total["misses"])
+        return {"layers": layers, "total": total}
+
+    def reset_stats(self):
+        self.n.sidecar.empanel_stats_reset(self.pool)
+
+    def free(self):
+        if self.pool is not None:
+            self.n.sidecar.empanel_pool_free(self.pool)
+            self.pool = None
+
+
+def _rate(hits, misses):
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+def summary_line(stats):
+    t = stats["total"]
+    return (f"empanel: {t['hits']} hits, {t['misses']} misses ({100 * t['hit_rate']:.1f}% hit), "
+            f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s, "
+            f"{t['remap_s']:.3f} s in remap")
+
+
+class Llama(llama_cpp.Llama):
+    """llama_cpp.Llama with expert slot pools for MoE models.
+
+    Args:
+        model_path: path to the GGUF model (the first shard of a split model).
+        moe_slots: slots per MoE layer: a count (32), a share of the experts ("25%"), or a memory
+            budget for all pools ("6GiB"). None: stock behaviour, every expert resident.
+        **kwargs: passed to llama_cpp.Llama unchanged. n_ubatch is capped so that a micro-batch
+            never needs more distinct experts than a pool holds.
+    """
+
+    def __init__(self, model_path, *args, moe_slots=None, **kwargs):
+        self._experts = None
+        if moe_slots is None:
+            super().__init__(model_path, *args, **kwargs)
+            return
+        verbose = kwargs.get("verbose", True)
+        index = load_index(model_path)
+        if not index.is_moe:
+            _notice(verbose, f"{model_path}: no routed experts ({index.architecture}); "
+                             "moe_slots ignored, loading as usual")
+            super().__init__(model_path, *args, **kwargs)
+            return
+
+        plan = plan_slots(index, moe_slots)
+        for text in plan.notices:
+            _notice(verbose, text)
+        n_ubatch = kwargs.get("n_ubatch", 512)
+        if n_ubatch > plan.max_ubatch:
+            _notice(verbose, f"n_ubatch {n_ubatch} -> {plan.max_ubatch}: a micro-batch of T tokens "
+                             f"needs up to T x {plan.n_expert_used} distinct experts per layer, and a "
+                             f"pool holds {plan.min_slots}")
+            kwargs["n_ubatch"] = plan.max_ubatch
+        _notice(verbose, f"{plan.min_slots} of {plan.n_expert} expert slots in each of "
+                         f"{len(index.layers)} MoE layers, {plan.pool_bytes / 2**20:.1f} MiB of pools "
+                         f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
+
+        experts = ExpertPools(index, plan)
+        experts.set_plan()
+        try:
+            super().__init__(model_path, *args, **kwargs)
+            experts.bind(self._model.model, self._ctx.ctx)
+        except BaseException:
+            experts.clear_plan()
+            experts.free()
+            raise
+        experts.clear_plan()
+        self._experts = experts
+        self._wrap_decode()
+
+    def _wrap_decode(self):
+        """Make a failed expert read surface as MoeReadError from every decode path."""
+        ctx = self._ctx
+        decode = ctx.decode
+        experts = self._experts
+
+        def decode_checked(batch):
+            try:
+                result = decode(batch)
+            except RuntimeError as e:
+                if experts.failed():
+                    message = experts.error()
+                    experts.clear_error()
+                    raise MoeReadError(message) from e
+                raise
+            if experts.failed():  # failed without llama_decode noticing: never return its output
+                message = experts.error()
+                experts.clear_error()
+                raise MoeReadError(message)
+            return result
+
+        ctx.decode = decode_checked
+
+    def moe_stats(self):
+        """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots; None
+        without slot pools."""
+        return self._experts.stats() if self._experts is not None else None
+
+    def close(self):
+        experts, self._experts = getattr(self, "_experts", None), None
+        if experts is not None and getattr(self, "verbose", False):
+            print(summary_line(experts.stats()), file=sys.stderr)
+        super().close()
+        if experts is not None:
+            experts.free()  # after the model: its graph calls into the pools
+
+
+def _notice(verbose, text):
+    if verbose:
+        print(f"empanel: {text}", file=sys.stderr)

@@ -1,0 +1,104 @@
+"""How many expert slots each MoE layer gets: from a count, a share, or a memory budget.
+
+    moe_slots=32        32 slots in every MoE layer
+    moe_slots="25%"     a quarter of each layer's experts (rounded up)
+    moe_slots="6GiB"    as many slots per layer as fit in 6 GiB of pools in all (also MiB, GB, ...)
+
+Pure Python: works on an index (index.py), knows nothing of llama.cpp.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {
+    "": 1, "B": 1,
+    "K": 1 << 10, "KB": 1000, "KIB": 1 << 10,
+    "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
+    "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30,
+    "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40,
+}
+
+
+class SlotsError(ValueError):
+    """moe_slots cannot be satisfied for this model."""
+
+
+@dataclass
+class SlotPlan:
+    n_slots: list            # [n_layer] slots per layer; 0 for layers without routed experts
+    n_expert: int
+    n_expert_used: int
+    pool_bytes: int          # bytes of all pools together
+    notices: list = field(default_factory=list)  # what was adjusted, for verbose output
+
+    @property
+    def min_slots(self):
+        return min(n for n in self.n_slots if n > 0)
+
+    @property
+    def max_ubatch(self):
+        """Largest micro-batch whose distinct experts always fit every layer's pool: each token
+        routes to n_expert_used experts, so T tokens need at most T * n_expert_used slots."""
+        return max(1, self.min_slots // self.n_expert_used)
+
+
+def parse_size(text):
+    """'6GiB' -> bytes, or None if text is not a size."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not m or (m.group(2) == "" and "." in m.group(1)):
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def plan_slots(index, moe_slots):
+    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB')."""
+    layers = index.layers
+    if not layers:
+        raise SlotsError(f"{index.path}: no MoE layer with routed experts; moe_slots does not apply")
+    n_expert, k = index.n_expert, index.n_expert_used
+    notices = []
+    wanted = _wanted_slots(index, moe_slots)
+
+    if wanted < k:
+        raise SlotsError(
+            f"moe_slots={moe_slots!r} gives {wanted} slots per layer, but each token routes to "
+            f"{k} experts per layer ({index.architecture}, {n_expert} experts): use at least {k} "
+            f"(moe_slots={k}, or a larger share or budget)."
+        )
+    if wanted > n_expert:
+        notices.append(f"moe_slots={moe_slots!r}: {wanted} slots clamped to the {n_expert} experts per layer")
+        wanted = n_expert
+
+    n_slots = [0] * index.n_layer
+    pool_bytes = 0
+    for layer in layers:
+        n_slots[layer.layer] = wanted
+        pool_bytes += wanted * layer.expert_bytes
+    return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k,
+                    pool_bytes=pool_bytes, notices=notices)
+
+
+def _wanted_slots(index, moe_slots):
+    if isinstance(moe_slots, bool):
+        raise SlotsError(f"moe_slots={moe_slots!r}: give a count, a share ('25%') or a size ('6GiB')")
+    if isinstance(moe_slots, int):
+        return moe_slots
+    if not isinstance(moe_slots, str):
+        raise SlotsError(f"moe_slots={moe_slots!r}: give a count, a share ('25%') or a size ('6GiB')")
+    text = moe_slots.strip()
+    if text.isdigit():
+        return int(text)
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100.0
+        except ValueError:
+            share = -1.0
+        if not 0.0 < share <= 1.0:
+            raise SlotsError(f"moe_slots={moe_slots!r}: a share must lie in (0%, 100%]")
+        return math.ceil(share * index.n_expert - 1e-9)
+    budget = parse_size(text)
+    if budget is None:
+        raise SlotsError(f"moe_slots={moe_slots!r}: not a count, a share ('25%') or a size ('6GiB')")
+    per_slot = sum(layer.expert_bytes for layer in index.layers)  # one slot in every layer
+    return budget // per_slot
