@@ -9,7 +9,9 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#define EMPANEL_MAX_TENSORS 4  // gate, up, down, gate_up
+#define EMPANEL_MAX_TENSORS 4           // gate, up, down, gate_up
+#define EMPANEL_ALIGN       4096        // O_DIRECT offset/length/buffer alignment, bytes
+#define EMPANEL_STAGING     (32u << 20) // bytes of staging for experts on their way to non-plain pools
 
 // one routed-expert tensor of a layer: its experts in the file and its pool in memory
 struct empanel_tensor {
@@ -18,6 +20,7 @@ struct empanel_tensor {
     uint64_t offset;        // bytes: expert 0 in the file
     uint64_t expert_size;   // bytes of one expert, in the file and in a slot
     void   * pool;          // ggml_tensor * [ne0, ne1, n_slots], set by empanel_pool_bind
+    int      direct;        // slots are plain host memory: reads land in them directly
 };
 
 struct empanel_layer {
@@ -31,6 +34,8 @@ struct empanel_layer {
     uint64_t * call_mark;   // [n_slots]  remap call that uses the slot now (never evicted in it)
     uint64_t * miss_mark;   // [n_expert] remap call that listed the expert as a miss
     int32_t  * misses;      // [n_expert] scratch: the current call's misses
+    int32_t  * victims;     // [n_expert] scratch: the slots they go to
+    uint32_t * uses;        // [n_slots]  LFU counts (halved every n_slots remaps)
 
     struct empanel_layer_stats stats;
 };
@@ -38,12 +43,54 @@ struct empanel_layer {
 // a file of the model (one per shard), as it was when the pool was made
 struct empanel_file {
     char   * path;
-    int      fd;
+    int      fd;            // buffered reads, fstat
+    int      fd_direct;     // O_DIRECT reads, or -1
     uint64_t size;          // bytes
     int64_t  mtime_ns;
-    uint64_t inode;
 };
 
+// one expert tensor of one missing expert on its way into its slot
+struct empanel_read_job {
+    const struct empanel_tensor * tensor;
+    int32_t   expert;
+    int32_t   slot;
+    uint8_t * dst;          // the slot itself (direct) or staging
+};
+
+// one read request: file bytes [offset, offset + length) of which [skip, skip + payload) go to
+// job->dst + dst_offset
+struct empanel_chunk {
+    int32_t  job;
+    int32_t  file;
+    uint64_t offset;
+    uint64_t length;
+    uint64_t skip;
+    uint64_t payload;
+    uint64_t dst_offset;
+};
+
+// reader threads: they and the calling thread share out the chunks of one batch
+struct empanel_reader {
+    pthread_t     * threads;      // [n_threads]
+    int32_t         n_threads;
+    uint8_t      ** bounce;       // [n_threads + 1] aligned chunk buffers (O_DIRECT); last: caller's
+    uint64_t        chunk_bytes;
+    int             direct;       // reads use O_DIRECT
+
+    pthread_mutex_t mutex;
+    pthread_cond_t  cond_work;    // a batch is posted (or stop)
+    pthread_cond_t  cond_done;    // the last chunk of the batch finished
+    uint64_t        generation;   // batches posted so far
+    int             stop;
+
+    struct empanel_pool        * pool;
+    const struct empanel_read_job * jobs;
+    const struct empanel_chunk * chunks;
+    int32_t                      n_chunks;
+    atomic_int                   next;   // next chunk to take
+    atomic_int                   done;   // chunks finished
+    atomic_int                   busy;   // threads working on the batch
+};
 struct empanel_pool {
     pthread_mutex_t lock;   // one remap at a time
     int32_t n_layer;
@@ -53,8 +100,18 @@ struct empanel_pool {
     int32_t n_files;
     struct empanel_file * files;   // [n_files]
 
-    uint8_t * bounce;       // an expert's bytes on their way to a pool that is not plain host memory
-    uint64_t  bounce_size;
+    int32_t   policy;       // EMPANEL_POLICY_*
+    struct empanel_reader reader;
+
+    // scratch of one remap: jobs, chunks, staging for non-direct pools
+    struct empanel_read_job * jobs;
+    int32_t                   jobs_cap;
+    struct empanel_chunk    * chunks;
+    int32_t                   chunks_cap;
+    uint8_t                 * staging;
+    uint64_t                  staging_size;
+
+    char notice[256];
 
     uint64_t call;          // remap calls so far: the LRU clock
 
@@ -66,8 +123,13 @@ struct empanel_pool {
 void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...);
 
 // reader.c
-int      empanel_files_open (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, char * err, size_t err_size);
-void     empanel_files_close(struct empanel_pool * pool);
-int      empanel_files_check(struct empanel_pool * pool);
-int      empanel_read_expert(struct empanel_pool * pool, const struct empanel_layer * layer, int32_t expert, int32_t slot);
+int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);
+void     empanel_files_close (struct empanel_pool * pool);
+int      empanel_files_check (struct empanel_pool * pool);
+int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
+void     empanel_reader_stop (struct empanel_pool * pool);
+// read n_misses experts of a layer into their slots (misses[i] -> slots[i]); 0, or -1 with the
+// error recorded
+int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
+                              const int32_t * misses, const int32_t * slots, int32_t n_misses);
 uint64_t empanel_now_ns(void);

@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 2
+#define EMPANEL_SIDECAR_VERSION 3
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -33,15 +33,29 @@ struct empanel_tensor_desc {
     const char * name;         // GGUF tensor name, e.g. "blk.3.ffn_down_exps.weight"
 };
 
+// how the pool reads; zeros pick the defaults
+struct empanel_pool_params {
+    int32_t  n_threads;    // reader threads besides the caller (default 8)
+    uint32_t chunk_bytes;  // bytes per read request (default 256 KiB; rounded to 4 KiB)
+    int32_t  direct_io;    // 1: O_DIRECT (default), -1: buffered reads through the page cache
+    int32_t  policy;       // EMPANEL_POLICY_*
+};
+
+#define EMPANEL_POLICY_LRU       0  // per layer: evict the least recently used expert
+#define EMPANEL_POLICY_LFU_DECAY 1  // per layer: evict the least frequently used, counts halving over time
+
 // counters of one layer; times in nanoseconds
 struct empanel_layer_stats {
     uint64_t n_remaps;     // remap calls (one per micro-batch)
     uint64_t n_ids;        // (token, expert) pairs routed
     uint64_t hits;         // distinct experts of a micro-batch already resident
     uint64_t misses;       // distinct experts of a micro-batch read from the file
-    uint64_t bytes_read;   // bytes read from the file
-    uint64_t read_ns;      // time spent reading
-    uint64_t remap_ns;     // time spent in remap (lookups + reads + writes into slots)
+    uint64_t bytes_read;   // bytes of experts read from the file
+    uint64_t io_bytes;     // bytes asked of the drive (bytes_read plus O_DIRECT alignment)
+    uint64_t n_reads;      // read requests
+    uint64_t read_ns;      // wall time of the read phases (all reader threads at work)
+    uint64_t write_ns;     // time converting experts into slots that are not plain memory (repack, device)
+    uint64_t remap_ns;     // time the graph waited in remap (lookups + reads + writes)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };
@@ -49,9 +63,10 @@ struct empanel_layer_stats {
 struct empanel_pool;
 
 // the pools of one model: n_layer entries of n_slots (0 = layer not paged), n_expert experts per
-// layer, the expert tensors of all paged layers. Opens the files; NULL on failure, with the
-// reason in err.
+// layer, the expert tensors of all paged layers. Opens the files and starts the reader threads;
+// NULL on failure, with the reason in err.
 EMPANEL_API struct empanel_pool * empanel_pool_init(
+        const struct empanel_pool_params * params,
         const char * const * paths,
         int32_t              n_paths,
         int32_t              n_layer,
@@ -78,6 +93,9 @@ EMPANEL_API int32_t empanel_remap(
         int32_t       * slot_ids,
         int32_t         n_used,
         int32_t         n_tokens);
+
+// what the pool decided that a user should know (e.g. "O_DIRECT refused, buffered reads"), or ""
+EMPANEL_API const char * empanel_pool_notice(struct empanel_pool * pool);
 
 // abort callback for llama_set_abort_callback: true once a remap failed
 EMPANEL_API _Bool empanel_pool_failed(void * pool);

@@ -51,8 +51,10 @@ static int layer_alloc(struct empanel_layer * layer, int32_t n_slots, int32_t n_
     layer->last_use  = calloc(n_slots, sizeof(uint64_t));    // [n_slots] call of last use
     layer->call_mark = calloc(n_slots, sizeof(uint64_t));    // [n_slots] call that uses it now
     layer->misses    = malloc(sizeof(int32_t)  * n_expert);  // [n_expert] scratch: this call's misses
+    layer->victims   = malloc(sizeof(int32_t)  * n_expert);  // [n_expert] scratch: their slots
+    layer->uses      = calloc(n_slots, sizeof(uint32_t));    // [n_slots] LFU counts
     if (!layer->slot_of || !layer->miss_mark || !layer->expert_in || !layer->last_use ||
-        !layer->call_mark || !layer->misses) {
+        !layer->call_mark || !layer->misses || !layer->victims || !layer->uses) {
         return -1;
     }
     for (int32_t e = 0; e < n_expert; e++) {
@@ -71,9 +73,12 @@ static void layer_free(struct empanel_layer * layer) {
     free(layer->last_use);
     free(layer->call_mark);
     free(layer->misses);
+    free(layer->victims);
+    free(layer->uses);
 }
 
 struct empanel_pool * empanel_pool_init(
+        const struct empanel_pool_params * params,
         const char * const * paths,
         int32_t              n_paths,
         int32_t              n_layer,
@@ -96,6 +101,13 @@ struct empanel_pool * empanel_pool_init(
     atomic_init(&pool->failed, 0);
     pool->n_layer  = n_layer;
     pool->n_expert = n_expert;
+    pool->policy   = params != NULL ? params->policy : EMPANEL_POLICY_LRU;
+    if (pool->policy != EMPANEL_POLICY_LRU && pool->policy != EMPANEL_POLICY_LFU_DECAY) {
+        format_err(err, err_size, "empanel_pool_init: unknown policy %d", pool->policy);
+        pthread_mutex_destroy(&pool->lock);
+        free(pool);
+        return NULL;
+    }
     pool->layers   = calloc(n_layer, sizeof(struct empanel_layer));
     if (pool->layers == NULL) {
         format_err(err, err_size, "empanel_pool_init: out of memory");
@@ -103,7 +115,8 @@ struct empanel_pool * empanel_pool_init(
         return NULL;
     }
 
-    if (empanel_files_open(pool, paths, n_paths, err, err_size) != 0) {
+    const int direct_io = params == NULL || params->direct_io >= 0;
+    if (empanel_files_open(pool, paths, n_paths, direct_io, err, err_size) != 0) {
         empanel_pool_free(pool);
         return NULL;
     }
@@ -151,14 +164,11 @@ struct empanel_pool * empanel_pool_init(
         t->file        = d->file;
         t->offset      = d->offset;
         t->expert_size = d->expert_size;
-        if (d->expert_size > pool->bounce_size) {
-            pool->bounce_size = d->expert_size;
-        }
     }
-    pool->bounce = malloc(pool->bounce_size > 0 ? pool->bounce_size : 1);
-    if (pool->bounce == NULL) {
-        format_err(err, err_size, "empanel_pool_init: out of memory for a %llu-byte read buffer",
-                   (unsigned long long) pool->bounce_size);
+
+    const int32_t  n_threads   = params != NULL && params->n_threads   > 0 ? params->n_threads   : 8;
+    const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
+    if (empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {
         empanel_pool_free(pool);
         return NULL;
     }
@@ -175,8 +185,11 @@ void empanel_pool_free(struct empanel_pool * pool) {
         }
         free(pool->layers);
     }
+    empanel_reader_stop(pool);
     empanel_files_close(pool);
-    free(pool->bounce);
+    free(pool->jobs);
+    free(pool->chunks);
+    free(pool->staging);
     pthread_mutex_destroy(&pool->lock);
     free(pool);
 }
@@ -193,7 +206,8 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
                 empanel_set_error(pool, "%s: llama.cpp made no slot pool for it", name);
                 return -1;
             }
-            t->pool = pool_tensor;
+            t->pool   = pool_tensor;
+            t->direct = llama_empanel_slot_data(pool_tensor, 0) != NULL;
             return 0;
         }
     }
@@ -204,20 +218,41 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
 // ------------------------------------------------------------------------------------------------
 // remap
 
-// least recently used slot that this call does not use; -1 if every slot is in use
-static int32_t pick_victim(const struct empanel_layer * layer, uint64_t call) {
+// the slot to evict among those this call does not use, -1 if every slot is in use. Empty slots
+// (last_use 0, uses 0) go first under every policy.
+//   LRU:       least recently used
+//   LFU_DECAY: fewest uses (counts halve every n_slots remaps of the layer), then least recent
+static int32_t pick_victim(const struct empanel_layer * layer, int32_t policy, uint64_t call) {
     int32_t  victim = -1;
+    uint32_t fewest = UINT32_MAX;
     uint64_t oldest = UINT64_MAX;
     for (int32_t s = 0; s < layer->n_slots; s++) {
         if (layer->call_mark[s] == call) {
             continue;
         }
-        if (layer->last_use[s] < oldest) { // empty slots have last_use 0: taken first
+        const uint32_t uses = policy == EMPANEL_POLICY_LFU_DECAY ? layer->uses[s] : 0;
+        if (uses < fewest || (uses == fewest && layer->last_use[s] < oldest)) {
+            fewest = uses;
             oldest = layer->last_use[s];
             victim = s;
         }
     }
     return victim;
+}
+
+static void note_use(struct empanel_layer * layer, int32_t s, uint64_t call) {
+    layer->call_mark[s] = call;
+    layer->last_use[s]  = call;
+    layer->uses[s]     += layer->uses[s] < UINT32_MAX;
+}
+
+static void decay_uses(struct empanel_layer * layer) {
+    if (layer->stats.n_remaps % (uint64_t) layer->n_slots != 0) {
+        return;
+    }
+    for (int32_t s = 0; s < layer->n_slots; s++) {
+        layer->uses[s] /= 2;
+    }
 }
 
 static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
@@ -245,8 +280,7 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
             const int32_t s = layer->slot_of[e];
             if (s >= 0) {
                 if (layer->call_mark[s] != call) {
-                    layer->call_mark[s] = call;
-                    layer->last_use[s]  = call;
+                    note_use(layer, s, call);
                     layer->stats.hits++;
                 }
             } else if (layer->miss_mark[e] != call) {
@@ -260,9 +294,10 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
     if (n_miss > 0 && empanel_files_check(pool) != 0) {
         return -1;
     }
+    // victims first: every slot is empty until all misses are read (a failed read leaves no
+    // slot claiming an expert it does not hold)
     for (int32_t i = 0; i < n_miss; i++) {
-        const int32_t e = layer->misses[i];
-        const int32_t s = pick_victim(layer, call);
+        const int32_t s = pick_victim(layer, pool->policy, call);
         if (s < 0) {
             empanel_set_error(pool,
                 "remap: layer %d: this micro-batch routes to more distinct experts than the %d slots "
@@ -272,16 +307,19 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         if (layer->expert_in[s] >= 0) {
             layer->slot_of[layer->expert_in[s]] = -1;
         }
-        layer->expert_in[s] = -1; // empty until every tensor of the expert is in place
-        layer->call_mark[s] = call;
-        layer->last_use[s]  = call;
-        if (empanel_read_expert(pool, layer, e, s) != 0) {
-            return -1;
-        }
-        layer->expert_in[s] = e;
-        layer->slot_of[e]   = s;
-        layer->stats.misses++;
+        layer->expert_in[s] = -1;
+        layer->uses[s]      = 0;
+        note_use(layer, s, call);
+        layer->victims[i] = s;
     }
+    if (n_miss > 0 && empanel_read_experts(pool, layer, layer->misses, layer->victims, n_miss) != 0) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n_miss; i++) {
+        layer->expert_in[layer->victims[i]] = layer->misses[i];
+        layer->slot_of[layer->misses[i]]    = layer->victims[i];
+    }
+    layer->stats.misses += (uint64_t) n_miss;
 
     for (int32_t t = 0; t < n_tokens; t++) {
         const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
@@ -290,6 +328,9 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         }
     }
     layer->stats.n_remaps++;
+    if (pool->policy == EMPANEL_POLICY_LFU_DECAY) {
+        decay_uses(layer);
+    }
     return 0;
 }
 
@@ -309,6 +350,10 @@ int32_t empanel_remap(void * user, int32_t il, const int32_t * expert_ids, int64
 _Bool empanel_pool_failed(void * user) {
     const struct empanel_pool * pool = user;
     return atomic_load(&pool->failed) != 0;
+}
+
+const char * empanel_pool_notice(struct empanel_pool * pool) {
+    return pool->notice;
 }
 
 const char * empanel_pool_error(struct empanel_pool * pool) {

@@ -1,5 +1,12 @@
-// Reading experts: the sidecar's own file descriptors, pread straight into slot memory when the
-// pool is plain host memory, else through a bounce buffer and llama_empanel_slot_write.
+// Reading experts: the sidecar's own file descriptors, reader threads, chunked O_DIRECT reads.
+//
+// All misses of one remap are read as one batch: every expert tensor of every missing expert is
+// cut into chunks, and the reader threads and the calling thread take chunks until none is left,
+// so one expert keeps every thread (and the drive's queue) busy. With O_DIRECT each chunk is read
+// as an aligned window into the thread's bounce buffer and its payload copied into place (GGUF
+// data is only 32-byte aligned). Pools in plain host memory receive the bytes in their slots
+// directly; others (CPU_REPACK, device memory) get them from a staging buffer through
+// llama_empanel_slot_write once the batch is read.
 
 #include "empanel-impl.h"
 
@@ -28,14 +35,37 @@ static int64_t stat_mtime_ns(const struct stat * st) {
 #endif
 }
 
-int empanel_files_open(struct empanel_pool * pool, const char * const * paths, int32_t n_paths, char * err, size_t err_size) {
+static uint64_t align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
+static uint64_t align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
+
+// ------------------------------------------------------------------------------------------------
+// files
+
+// an fd that bypasses the page cache, or -1 where the file system refuses it
+static int open_direct(const char * path) {
+#if defined(O_DIRECT)
+    return open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+#else
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+#    if defined(__APPLE__)
+    if (fd >= 0) {
+        fcntl(fd, F_NOCACHE, 1); // macOS: no O_DIRECT; F_NOCACHE needs no alignment
+    }
+#    endif
+    return fd;
+#endif
+}
+
+int empanel_files_open(struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io,
+                       char * err, size_t err_size) {
     pool->files = calloc(n_paths, sizeof(struct empanel_file));
     if (pool->files == NULL) {
         snprintf(err, err_size, "empanel: out of memory");
         return -1;
     }
     for (int32_t i = 0; i < n_paths; i++) {
-        pool->files[i].fd = -1;
+        pool->files[i].fd        = -1;
+        pool->files[i].fd_direct = -1;
     }
     pool->n_files = n_paths;
     for (int32_t i = 0; i < n_paths; i++) {
@@ -49,7 +79,14 @@ int empanel_files_open(struct empanel_pool * pool, const char * const * paths, i
         }
         f->size     = (uint64_t) st.st_size;
         f->mtime_ns = stat_mtime_ns(&st);
-        f->inode    = (uint64_t) st.st_ino;
+        if (direct_io) {
+            f->fd_direct = open_direct(paths[i]);
+            if (f->fd_direct < 0 && pool->notice[0] == '\0') {
+                snprintf(pool->notice, sizeof(pool->notice),
+                         "%s: O_DIRECT refused (%s); experts are read through the page cache",
+                         paths[i], strerror(errno));
+            }
+        }
     }
     return 0;
 }
@@ -58,6 +95,9 @@ void empanel_files_close(struct empanel_pool * pool) {
     for (int32_t i = 0; i < pool->n_files; i++) {
         if (pool->files[i].fd >= 0) {
             close(pool->files[i].fd);
+        }
+        if (pool->files[i].fd_direct >= 0) {
+            close(pool->files[i].fd_direct);
         }
         free(pool->files[i].path);
     }
@@ -85,52 +125,332 @@ int empanel_files_check(struct empanel_pool * pool) {
     return 0;
 }
 
-// read exactly size bytes at offset, or record why not
-static int pread_full(struct empanel_pool * pool, const struct empanel_file * f, void * dst, uint64_t size, uint64_t offset) {
+// ------------------------------------------------------------------------------------------------
+// one chunk
+
+// read at least `need` bytes of [offset, offset + length) into dst; a read may end early only at
+// the end of the file, which holds no payload
+static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f, int fd, uint8_t * dst,
+                       uint64_t length, uint64_t offset, uint64_t need) {
     uint64_t done = 0;
-    while (done < size) {
-        const ssize_t n = pread(f->fd, (uint8_t *) dst + done, size - done, (off_t) (offset + done));
+    while (done < length) {
+        const ssize_t n = pread(fd, dst + done, length - done, (off_t) (offset + done));
         if (n < 0 && errno == EINTR) {
             continue;
         }
         if (n < 0) {
-            empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s",
-                              f->path, (unsigned long long) size, (unsigned long long) offset, strerror(errno));
+            empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s", f->path,
+                              (unsigned long long) (length - done), (unsigned long long) (offset + done), strerror(errno));
             return -1;
         }
         if (n == 0) {
-            empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
-                              f->path, (unsigned long long) offset, (unsigned long long) done, (unsigned long long) size);
-            return -1;
+            break;
         }
         done += (uint64_t) n;
+    }
+    if (done < need) {
+        empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
+                          f->path, (unsigned long long) offset, (unsigned long long) done, (unsigned long long) need);
+        return -1;
     }
     return 0;
 }
 
-int empanel_read_expert(struct empanel_pool * pool, const struct empanel_layer * layer, int32_t expert, int32_t slot) {
-    for (int32_t i = 0; i < layer->n_tensors; i++) {
+static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
+    struct empanel_pool * pool = reader->pool;
+    const struct empanel_file * f = &pool->files[c->file];
+    uint8_t * dst = reader->jobs[c->job].dst + c->dst_offset;
+    if (reader->direct && f->fd_direct >= 0) {
+        if (pread_chunk(pool, f, f->fd_direct, bounce, c->length, c->offset, c->skip + c->payload) != 0) {
+            return -1;
+        }
+        memcpy(dst, bounce + c->skip, c->payload);
+        return 0;
+    }
+    return pread_chunk(pool, f, f->fd, dst, c->payload, c->offset + c->skip, c->payload);
+}
+
+// take chunks of the posted batch until none is left; the thread finishing the last one says so
+static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
+    for (;;) {
+        const int i = atomic_fetch_add(&reader->next, 1);
+        if (i >= reader->n_chunks) {
+            break;
+        }
+        if (!atomic_load(&reader->pool->failed)) {
+            read_chunk(reader, &reader->chunks[i], bounce);
+        }
+        if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
+            pthread_mutex_lock(&reader->mutex);
+            pthread_cond_broadcast(&reader->cond_done);
+            pthread_mutex_unlock(&reader->mutex);
+        }
+    }
+}
+
+struct thread_arg {
+    struct empanel_reader * reader;
+    int32_t                 index;
+};
+
+static void * reader_thread(void * arg_) {
+    struct thread_arg * arg = arg_;
+    struct empanel_reader * reader = arg->reader;
+    uint8_t * bounce = reader->bounce[arg->index];
+    free(arg);
+
+    uint64_t seen = 0;
+    pthread_mutex_lock(&reader->mutex);
+    for (;;) {
+        while (!reader->stop && reader->generation == seen) {
+            pthread_cond_wait(&reader->cond_work, &reader->mutex);
+        }
+        if (reader->stop) {
+            break;
+        }
+        seen = reader->generation;
+        atomic_fetch_add(&reader->busy, 1);
+        pthread_mutex_unlock(&reader->mutex);
+
+        work_batch(reader, bounce);
+
+        pthread_mutex_lock(&reader->mutex);
+        if (atomic_fetch_sub(&reader->busy, 1) == 1) {
+            pthread_cond_broadcast(&reader->cond_done);
+        }
+    }
+    pthread_mutex_unlock(&reader->mutex);
+    return NULL;
+}
+
+// ------------------------------------------------------------------------------------------------
+// threads
+
+int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size) {
+    struct empanel_reader * reader = &pool->reader;
+    reader->pool        = pool;
+    reader->n_threads   = 0;
+    reader->chunk_bytes = align_up(chunk_bytes > 0 ? chunk_bytes : EMPANEL_ALIGN);
+    reader->direct      = 0;
+    for (int32_t i = 0; i < pool->n_files; i++) {
+        reader->direct |= pool->files[i].fd_direct >= 0;
+    }
+    pthread_mutex_init(&reader->mutex, NULL);
+    pthread_cond_init(&reader->cond_work, NULL);
+    pthread_cond_init(&reader->cond_done, NULL);
+
+    // a chunk's aligned window can straddle one extra block at each end
+    reader->bounce = calloc(n_threads + 1, sizeof(uint8_t *));
+    if (reader->bounce == NULL) {
+        snprintf(err, err_size, "empanel: out of memory");
+        return -1;
+    }
+    for (int32_t i = 0; i <= n_threads; i++) {
+        if (posix_memalign((void **) &reader->bounce[i], EMPANEL_ALIGN, reader->chunk_bytes + 2*EMPANEL_ALIGN) != 0) {
+            snprintf(err, err_size, "empanel: out of memory for read buffers");
+            return -1;
+        }
+    }
+    reader->threads = calloc(n_threads > 0 ? n_threads : 1, sizeof(pthread_t));
+    if (reader->threads == NULL) {
+        snprintf(err, err_size, "empanel: out of memory");
+        return -1;
+    }
+    for (int32_t i = 0; i < n_threads; i++) {
+        struct thread_arg * arg = malloc(sizeof(*arg));
+        if (arg == NULL) {
+            snprintf(err, err_size, "empanel: out of memory");
+            return -1;
+        }
+        arg->reader = reader;
+        arg->index  = i;
+        if (pthread_create(&reader->threads[i], NULL, reader_thread, arg) != 0) {
+            free(arg);
+            snprintf(err, err_size, "empanel: cannot start reader thread %d: %s", i, strerror(errno));
+            return -1;
+        }
+        reader->n_threads++;
+    }
+    return 0;
+}
+
+void empanel_reader_stop(struct empanel_pool * pool) {
+    struct empanel_reader * reader = &pool->reader;
+    if (reader->pool == NULL) {
+        return; // never started
+    }
+    pthread_mutex_lock(&reader->mutex);
+    reader->stop = 1;
+    pthread_cond_broadcast(&reader->cond_work);
+    pthread_mutex_unlock(&reader->mutex);
+    for (int32_t i = 0; i < reader->n_threads; i++) {
+        pthread_join(reader->threads[i], NULL);
+    }
+    if (reader->bounce != NULL) {
+        for (int32_t i = 0; i <= reader->n_threads; i++) {
+            free(reader->bounce[i]);
+        }
+    }
+    free(reader->bounce);
+    free(reader->threads);
+    pthread_mutex_destroy(&reader->mutex);
+    pthread_cond_destroy(&reader->cond_work);
+    pthread_cond_destroy(&reader->cond_done);
+    reader->pool = NULL;
+}
+
+// post the chunks, read alongside the threads, and return when every chunk is done
+static void reader_run(struct empanel_pool * pool, const struct empanel_read_job * jobs,
+                       const struct empanel_chunk * chunks, int32_t n_chunks) {
+    struct empanel_reader * reader = &pool->reader;
+    pthread_mutex_lock(&reader->mutex);
+    reader->jobs     = jobs;
+    reader->chunks   = chunks;
+    reader->n_chunks = n_chunks;
+    atomic_store(&reader->next, 0);
+    atomic_store(&reader->done, 0);
+    reader->generation++;
+    pthread_cond_broadcast(&reader->cond_work);
+    pthread_mutex_unlock(&reader->mutex);
+
+    work_batch(reader, reader->bounce[reader->n_threads]);
+
+    // every chunk done, and no thread still inside work_batch (it reads the batch's fields)
+    pthread_mutex_lock(&reader->mutex);
+    while (atomic_load(&reader->done) < n_chunks || atomic_load(&reader->busy) > 0) {
+        pthread_cond_wait(&reader->cond_done, &reader->mutex);
+    }
+    pthread_mutex_unlock(&reader->mutex);
+}
+
+// ------------------------------------------------------------------------------------------------
+// a batch of experts
+
+static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks, uint64_t staging) {
+    if (n_jobs > pool->jobs_cap) {
+        void * p = realloc(pool->jobs, sizeof(*pool->jobs) * n_jobs);
+        if (p == NULL) { return -1; }
+        pool->jobs     = p;
+        pool->jobs_cap = n_jobs;
+    }
+    if (n_chunks > pool->chunks_cap) {
+        void * p = realloc(pool->chunks, sizeof(*pool->chunks) * n_chunks);
+        if (p == NULL) { return -1; }
+        pool->chunks     = p;
+        pool->chunks_cap = n_chunks;
+    }
+    if (staging > pool->staging_size) {
+        free(pool->staging);
+        pool->staging      = malloc(staging);
+        pool->staging_size = pool->staging ? staging : 0;
+        if (pool->staging == NULL) { return -1; }
+    }
+    return 0;
+}
+
+// cut job j's file range into chunks; returns the number written to out
+static int32_t plan_chunks(const struct empanel_reader * reader, const struct empanel_read_job * job, int32_t j,
+                           struct empanel_chunk * out, uint64_t * io_bytes) {
+    const struct empanel_tensor * t = job->tensor;
+    const uint64_t begin = t->offset + (uint64_t) job->expert * t->expert_size; // payload in the file
+    const uint64_t end   = begin + t->expert_size;
+    const uint64_t first = reader->direct ? align_down(begin) : begin;
+    const uint64_t last  = reader->direct ? align_up(end)     : end;
+    int32_t n = 0;
+    for (uint64_t at = first; at < last; at += reader->chunk_bytes) {
+        const uint64_t stop  = at + reader->chunk_bytes < last ? at + reader->chunk_bytes : last;
+        const uint64_t p0    = at > begin ? at : begin;   // payload in this chunk: [p0, p1)
+        const uint64_t p1    = stop < end ? stop : end;
+        struct empanel_chunk * c = &out[n++];
+        c->job        = j;
+        c->file       = t->file;
+        c->offset     = at;
+        c->length     = stop - at;
+        c->skip       = p0 - at;
+        c->payload    = p1 - p0;
+        c->dst_offset = p0 - begin;
+        *io_bytes    += reader->direct ? c->length : c->payload;
+    }
+    return n;
+}
+
+static int32_t chunks_per_job(const struct empanel_reader * reader, uint64_t size) {
+    return (int32_t) ((size + 2*EMPANEL_ALIGN) / reader->chunk_bytes + 2);
+}
+
+int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
+                         const int32_t * misses, const int32_t * slots, int32_t n_misses) {
+    struct empanel_reader * reader = &pool->reader;
+    const int32_t n_tensors = layer->n_tensors;
+
+    // staging for the tensors whose pools take no direct reads; a group of misses fits in it
+    uint64_t staged_per_expert = 0;
+    int32_t  max_chunks_per_expert = 0;
+    for (int32_t i = 0; i < n_tensors; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
         if (t->pool == NULL) {
             empanel_set_error(pool, "%s: no slot pool bound", t->name);
             return -1;
         }
-        const struct empanel_file * f = &pool->files[t->file];
-        const uint64_t offset = t->offset + (uint64_t) expert * t->expert_size;
-        const uint64_t t0 = empanel_now_ns();
+        staged_per_expert     += t->direct ? 0 : t->expert_size;
+        max_chunks_per_expert += chunks_per_job(reader, t->expert_size);
+    }
+    int32_t group = n_misses;
+    if (staged_per_expert > 0 && staged_per_expert * (uint64_t) group > EMPANEL_STAGING) {
+        group = (int32_t) (EMPANEL_STAGING / staged_per_expert);
+        group = group > 0 ? group : 1;
+    }
+    if (reserve(pool, group * n_tensors, group * max_chunks_per_expert, staged_per_expert * group) != 0) {
+        empanel_set_error(pool, "empanel: out of memory for reading %d experts", group);
+        return -1;
+    }
 
-        void * direct = llama_empanel_slot_data(t->pool, slot);
-        void * dst    = direct != NULL ? direct : pool->bounce;
-        if (pread_full(pool, f, dst, t->expert_size, offset) != 0) {
+    for (int32_t g0 = 0; g0 < n_misses; g0 += group) {
+        const int32_t g1 = g0 + group < n_misses ? g0 + group : n_misses;
+        int32_t  n_jobs   = 0;
+        int32_t  n_chunks = 0;
+        uint64_t staged   = 0;
+        uint64_t io_bytes = 0;
+        uint64_t payload  = 0;
+        for (int32_t m = g0; m < g1; m++) {
+            for (int32_t i = 0; i < n_tensors; i++) {
+                const struct empanel_tensor * t = &layer->tensors[i];
+                struct empanel_read_job * job = &pool->jobs[n_jobs];
+                job->tensor = t;
+                job->expert = misses[m];
+                job->slot   = slots[m];
+                job->dst    = llama_empanel_slot_data(t->pool, slots[m]);
+                if (!t->direct || job->dst == NULL) {
+                    job->dst = pool->staging + staged;
+                    staged  += t->expert_size;
+                }
+                n_chunks += plan_chunks(reader, job, n_jobs, pool->chunks + n_chunks, &io_bytes);
+                payload  += t->expert_size;
+                n_jobs++;
+            }
+        }
+
+        const uint64_t t0 = empanel_now_ns();
+        reader_run(pool, pool->jobs, pool->chunks, n_chunks);
+        const uint64_t t1 = empanel_now_ns();
+        if (atomic_load(&pool->failed)) {
             return -1;
         }
-        if (direct == NULL && llama_empanel_slot_write(t->pool, slot, pool->bounce, t->expert_size) != 0) {
-            empanel_set_error(pool, "%s: writing expert %d into slot %d failed", t->name, expert, slot);
-            return -1;
+        for (int32_t j = 0; j < n_jobs; j++) {
+            const struct empanel_read_job * job = &pool->jobs[j];
+            if (job->dst < pool->staging || job->dst >= pool->staging + pool->staging_size) {
+                continue; // already in its slot
+            }
+            if (llama_empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
+                empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
+                return -1;
+            }
         }
-        struct empanel_layer_stats * stats = (struct empanel_layer_stats *) &layer->stats;
-        stats->bytes_read += t->expert_size;
-        stats->read_ns    += empanel_now_ns() - t0;
+        layer->stats.read_ns    += t1 - t0;
+        layer->stats.write_ns   += empanel_now_ns() - t1;
+        layer->stats.bytes_read += payload;
+        layer->stats.io_bytes   += io_bytes;
+        layer->stats.n_reads    += (uint64_t) n_chunks;
     }
     return 0;
 }

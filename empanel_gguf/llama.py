@@ -22,10 +22,13 @@ class MoeReadError(RuntimeError):
     """Reading experts from the model file failed during a decode; nothing was returned."""
 
 
+POLICIES = {"lru": 0, "lfu-decay": 1}  # EMPANEL_POLICY_* in csrc/empanel.h
+
+
 class ExpertPools:
     """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
 
-    def __init__(self, index, plan):
+    def __init__(self, index, plan, policy="lru", io_threads=8, chunk_kb=256, direct_io=True):
         self.index = index
         self.plan = plan
         self.n = native()
@@ -43,10 +46,19 @@ class ExpertPools:
             descs[i].offset = t.offset
             descs[i].expert_size = t.stride
             descs[i].name = names[i]
+        if policy not in POLICIES:
+            raise ValueError(f"moe_policy={policy!r}: one of {', '.join(POLICIES)}")
+        if io_threads < 0 or chunk_kb < 4:
+            raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
+        params = ffi.new("struct empanel_pool_params *")
+        params.n_threads = io_threads
+        params.chunk_bytes = chunk_kb * 1024
+        params.direct_io = 1 if direct_io else -1
+        params.policy = POLICIES[policy]
         self.n_slots = ffi.new("int32_t[]", plan.n_slots)
         err = ffi.new("char[]", 512)
         self.pool = self.n.sidecar.empanel_pool_init(
-            path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
+            params, path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
             descs, len(tensors), err, 512)
         if self.pool == ffi.NULL:
             raise _native.NativeLibraryError(f"empanel: {ffi.string(err).decode()}")
@@ -78,6 +90,9 @@ class ExpertPools:
     def failed(self):
         return bool(self.n.sidecar.empanel_pool_failed(self.pool))
 
+    def notice(self):
+        return self.n.ffi.string(self.n.sidecar.empanel_pool_notice(self.pool)).decode(errors="replace")
+
     def error(self):
         return self.n.ffi.string(self.n.sidecar.empanel_pool_error(self.pool)).decode(errors="replace")
 
@@ -89,14 +104,15 @@ class ExpertPools:
         ffi = self.n.ffi
         out = ffi.new("struct empanel_layer_stats *")
         layers = {}
-        total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "read_s",
-                               "remap_s", "n_slots", "n_resident"), 0)
+        total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
+                               "n_reads", "read_s", "write_s", "remap_s", "n_slots", "n_resident"), 0)
         for il in self.index.moe_layers:
             self.n.sidecar.empanel_stats_get(self.pool, il, out)
             row = {
                 "n_remaps": out.n_remaps, "n_ids": out.n_ids, "hits": out.hits,
-                "misses": out.misses, "bytes_read": out.bytes_read,
-                "read_s": out.read_ns / 1e9, "remap_s": out.remap_ns / 1e9,
+                "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
+                "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "write_s": out.write_ns / 1e9,
+                "remap_s": out.remap_ns / 1e9,
                 "n_slots": out.n_slots, "n_resident": out.n_resident,
             }
             row["hit_rate"] = _rate(row["hits"], row["misses"])
@@ -104,6 +120,7 @@ class ExpertPools:
             for key in total:
                 total[key] += row[key]
         total["hit_rate"] = _rate(total["hits"], total["misses"])
+        total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
         return {"layers": layers, "total": total}
 
     def reset_stats(self):
@@ -122,7 +139,7 @@ def _rate(hits, misses):
 def summary_line(stats):
     t = stats["total"]
     return (f"empanel: {t['hits']} hits, {t['misses']} misses ({100 * t['hit_rate']:.1f}% hit), "
-            f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s, "
+            f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s ({t['read_gbps']:.2f} GB/s), "
             f"{t['remap_s']:.3f} s in remap")
 
 
@@ -133,11 +150,18 @@ class Llama(llama_cpp.Llama):
         model_path: path to the GGUF model (the first shard of a split model).
         moe_slots: slots per MoE layer: a count (32), a share of the experts ("25%"), or a memory
             budget for all pools ("6GiB"). None: stock behaviour, every expert resident.
+        moe_policy: which expert a full pool evicts: "lru" (default) or "lfu-decay".
+        moe_io_threads: reader threads besides the decoding thread (default 8).
+        moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
+            all reader threads at once.
+        moe_direct_io: read experts with O_DIRECT, bypassing the page cache (default True; falls
+            back to buffered reads with a notice where the file system refuses it).
         **kwargs: passed to llama_cpp.Llama unchanged. n_ubatch is capped so that a micro-batch
             never needs more distinct experts than a pool holds.
     """
 
-    def __init__(self, model_path, *args, moe_slots=None, **kwargs):
+    def __init__(self, model_path, *args, moe_slots=None, moe_policy="lru", moe_io_threads=8,
+                 moe_chunk_kb=256, moe_direct_io=True, **kwargs):
         self._experts = None
         if moe_slots is None:
             super().__init__(model_path, *args, **kwargs)
@@ -163,7 +187,10 @@ class Llama(llama_cpp.Llama):
                          f"{len(index.layers)} MoE layers, {plan.pool_bytes / 2**20:.1f} MiB of pools "
                          f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
 
-        experts = ExpertPools(index, plan)
+        experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
+                              chunk_kb=moe_chunk_kb, direct_io=moe_direct_io)
+        if experts.notice():
+            _notice(verbose, experts.notice())
         experts.set_plan()
         try:
             super().__init__(model_path, *args, **kwargs)
@@ -208,7 +235,8 @@ class Llama(llama_cpp.Llama):
         experts, self._experts = getattr(self, "_experts", None), None
         if experts is not None and getattr(self, "verbose", False):
             print(summary_line(experts.stats()), file=sys.stderr)
-        super().close()
+        if hasattr(self, "_stack"):  # absent when __init__ failed before llama_cpp's part
+            super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
 
