@@ -137,6 +137,22 @@ FIXTURES: dict[str, FixtureSpec] = {
                     weight_type="F16", seed=12),
         # OLMoE: q/k norms over the full width, so all heads are KV heads
         FixtureSpec("olmoe", "olmoe", n_layer=2, n_head_kv=4, seed=13),
+        # larger: 256 experts of 256 x 128 in Q8_0 (~53 MB of experts, ~1 MB of the rest), big
+        # enough that memory measurements see the experts a small pool does not hold
+        FixtureSpec("qwen3moe-rss", "qwen3moe", n_layer=2, n_expert=256, n_expert_used=8,
+                    n_embd=256, n_ff_exp=128, weight_type="F16", expert_types=("Q8_0", "Q8_0"),
+                    seed=14),
+    )
+}
+
+# Models without routed experts, for the "not a MoE model" paths. Kept out of FIXTURES, which the
+# every-fixture tests take to be MoE models; write_fixture knows both.
+DENSE_FIXTURES: dict[str, FixtureSpec] = {
+    spec.name: spec
+    for spec in (
+        # a plain llama: no router, no experts; n_ff is the FFN's hidden size
+        FixtureSpec("llama-dense", "llama", n_layer=2, n_expert=0, n_expert_used=0,
+                    weight_type="F16", seed=15),
     )
 }
 
@@ -150,7 +166,7 @@ def write_fixture(name: str, out_dir: str | Path) -> Path:
 
     Returns the path to load: `<name>.gguf`, or `<name>-00001-of-0000n.gguf` for split files.
     """
-    spec = FIXTURES[name]
+    spec = FIXTURES[name] if name in FIXTURES else DENSE_FIXTURES[name]
     out_dir = Path(out_dir)
     path = out_dir / f"{name}.gguf"
     first = shard_paths(path, spec.n_shards)[0]
@@ -331,6 +347,9 @@ def _mixtral_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
     t.norm(p + "attn_norm.weight", spec.n_embd)
     _add_gqa_attention(t, spec, il)
     t.norm(p + "ffn_norm.weight", spec.n_embd)
+    if spec.n_expert == 0:  # dense llama
+        _add_dense_ffn(t, spec, il, "", spec.n_ff)
+        return
     _add_router(t, spec, il)
     _add_routed_experts(t, spec, il, spec.n_ff_exp)
 
@@ -468,10 +487,13 @@ def _add_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(RMS_EPS)
     w.add_rope_freq_base(10000.0)
-    w.add_expert_count(spec.n_expert)
-    w.add_expert_used_count(spec.n_expert_used)
+    if spec.n_expert > 0:  # a dense model has no expert keys at all
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
 
-    if spec.arch in ("llama", "olmoe"):
+    if spec.n_expert == 0:
+        w.add_feed_forward_length(spec.n_ff)
+    elif spec.arch in ("llama", "olmoe"):
         # these read the routed experts' hidden size from feed_forward_length
         w.add_feed_forward_length(spec.n_ff_exp)
     else:

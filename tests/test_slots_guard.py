@@ -1,0 +1,461 @@
+"""Guards around the slot pools: nothing of the experts is read at load, the memory they save is
+really saved, bad inputs and files that change under a loaded model fail clearly, and one model
+serves several contexts and prompts one after another.
+
+Every test loads real fixture files with the real llama.cpp build; nothing is mocked. Exactness
+comparisons run the baseline with the n_ubatch the slot run was capped to (llama.cpp's kernels
+differ by micro-batch size, so only equal micro-batches are comparable bit for bit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from empanel_gguf import Llama, MoeReadError, fixtures
+from empanel_gguf._native import native
+from empanel_gguf.index import ModelError, load_index
+from empanel_gguf.sizing import SlotsError, plan_slots
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = b"Hello the world, and this is a test"
+MORE = b" of the slots when the file is gone and the model still runs on"
+PROMPTS = (b"The quick brown fox jumps over the lazy dog",
+           b"Once upon a time in a land far away",
+           b"1, 2, 3, 4, 5, 6, 7, 8")
+KW = dict(n_ctx=256, n_batch=64, n_threads=2, logits_all=True, seed=0, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("guard-fixtures")
+
+
+def model(fixture_dir, name):
+    return fixtures.write_fixture(name, fixture_dir)
+
+
+def evaluate(llm, prompt, n_greedy=0):
+    """Eval prompt, then n_greedy greedy tokens one at a time: (logits of all tokens, tokens)."""
+    llm.eval(llm.tokenize(prompt))
+    tokens = []
+    for _ in range(n_greedy):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tokens.append(token)
+        llm.eval([token])
+    return np.array(llm.scores[: llm.n_tokens], copy=True), tokens
+
+
+def fresh(path, prompt, moe_slots, n_ubatch, n_greedy=0):
+    """A fresh load: (logits, tokens, n_ubatch used)."""
+    llm = Llama(str(path), moe_slots=moe_slots, n_ubatch=n_ubatch, **KW)
+    try:
+        logits, tokens = evaluate(llm, prompt, n_greedy)
+        return logits, tokens, llm.context_params.n_ubatch
+    finally:
+        llm.close()
+
+
+def n_pools(llm):
+    """Slot pools llama.cpp made for this model (0: loaded as stock llama.cpp)."""
+    n = native()
+    return n.llama.llama_empanel_n_pools(n.ptr(llm._model.model))
+
+
+@contextlib.contextmanager
+def unraisable():
+    """Collect exceptions raised where Python can only report them (__del__ of a failed Llama)."""
+    seen = []
+    saved = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        yield seen
+    finally:
+        sys.unraisablehook = saved
+
+
+def raises_cleanly(exc, path, moe_slots, **kwargs):
+    """Llama(path, moe_slots) raises exc; the half-made object then goes away without an error of
+    its own (a traceback printed at garbage collection is not a clear error). Returns the message."""
+    with unraisable() as seen:
+        with pytest.raises(exc) as err:
+            Llama(str(path), moe_slots=moe_slots, **dict(KW, **kwargs))
+        message = str(err.value)
+        err = None  # drop the traceback and with it the half-made Llama
+        gc.collect()
+    assert not seen, [f"{type(u.exc_value).__name__}: {u.exc_value}" for u in seen]
+    return message
+
+
+def rchar():
+    """Bytes this process has passed through read syscalls so far (all threads, any file)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no rchar")
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. nothing of the routed experts is read at load
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_experts_are_not_read_at_load(fixture_dir):
+    path = model(fixture_dir, "qwen3moe-256x")
+    index = load_index(path)
+    file_size = path.stat().st_size
+    # experts dominate this file: 256 per layer, ~93 % of the bytes
+    assert index.expert_bytes_total > 10 * (file_size - index.expert_bytes_total)
+
+    # warm-up on another model: imports, the native seam, llama.cpp's backend and CPU probing
+    warm = Llama(str(model(fixture_dir, "qwen3moe-f32")), moe_slots=4, **KW)
+    evaluate(warm, PROMPT)
+    warm.close()
+
+    before = rchar()
+    llm = Llama(str(path), moe_slots=index.n_expert_used, **KW)
+    during_load = rchar() - before
+    try:
+        assert llm.moe_stats()["total"]["bytes_read"] == 0
+        assert llm.moe_stats()["total"]["misses"] == 0
+        # Everything but the experts is read once (header + resident weights = file - experts).
+        # Allowed on top: the header a second time (our index and llama.cpp's gguf reader each
+        # parse it) and 64 KiB for buffered readers rounding up to their block size and small
+        # reads of /proc and /sys. Far less than one layer's experts (> 1 MiB here).
+        header = index.shards[0].data_offset
+        bound = (file_size - index.expert_bytes_total) + header + 64 * 1024
+        print(f"\nrchar during load: {during_load} bytes; bound {bound}; "
+              f"experts {index.expert_bytes_total}, file {file_size}")
+        assert during_load < bound
+        assert bound < index.expert_bytes_total / index.n_layer / 2
+
+        before = rchar()
+        evaluate(llm, PROMPT)
+        during_decode = rchar() - before
+        total = llm.moe_stats()["total"]
+        assert total["bytes_read"] > 0 and total["misses"] > 0
+        # the same counter does see the sidecar's reads: the check above is not blind to them
+        assert during_decode >= total["bytes_read"]
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. memory
+
+_RSS_SCRIPT = """
+import json, sys
+from empanel_gguf import Llama
+path, moe_slots, use_mmap, n_ubatch = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+llm = Llama(path, moe_slots=moe_slots, use_mmap=use_mmap, n_ctx=64, n_batch=64, n_ubatch=n_ubatch,
+            n_threads=2, verbose=False)
+llm.eval(llm.tokenize(b"Hello the world, and this is a test"))
+assert llm.context_params.n_ubatch == n_ubatch
+status = {}
+with open("/proc/self/status") as f:
+    for line in f:
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            status[key] = int(value.split()[0]) * 1024
+print(json.dumps(status))
+"""
+
+
+def _rss(path, moe_slots, use_mmap, n_ubatch):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(path), json.dumps(moe_slots), "1" if use_mmap else "0",
+         str(n_ubatch)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_rss_drops_by_the_experts_not_held(fixture_dir):
+    path = model(fixture_dir, "qwen3moe-rss")
+    index = load_index(path)
+    n_slots = 8  # the minimum: top-8
+    plan = plan_slots(index, n_slots)
+    not_held = index.expert_bytes_total - plan.pool_bytes
+    assert not_held > 45 * 2**20  # large enough to see over interpreter and allocator noise
+    n_ubatch = plan.max_ubatch  # slots cap it; the stock runs use the same (same compute buffers)
+
+    slots = _rss(path, n_slots, True, n_ubatch)  # slots always load without mmap
+    # Stock llama.cpp maps the file with MAP_POPULATE by default: the mapped file's pages count in
+    # its RSS (RssFile), but they are clean page cache that the kernel may drop. The like-for-like
+    # comparison is stock with use_mmap=False: every weight in anonymous memory exactly once, as
+    # the slot run holds its resident weights. That is the one asserted; the mapped one is printed.
+    stock = _rss(path, None, False, n_ubatch)
+    stock_mmap = _rss(path, None, True, n_ubatch)
+    saved = stock["VmRSS"] - slots["VmRSS"]
+    mib = 2**20
+    print(f"\nRSS stock (use_mmap=False) {stock['VmRSS'] / mib:.1f} MiB "
+          f"(anon {stock['RssAnon'] / mib:.1f}), stock (mmap) {stock_mmap['VmRSS'] / mib:.1f} MiB "
+          f"(file {stock_mmap['RssFile'] / mib:.1f}), slots={n_slots} {slots['VmRSS'] / mib:.1f} MiB "
+          f"(anon {slots['RssAnon'] / mib:.1f}); saved {saved / mib:.1f} MiB of "
+          f"{not_held / mib:.1f} MiB of experts not held")
+    # The slot run's own overhead: the sidecar's cffi binding (pycparser parses its header), its
+    # tables and read buffers, the remap ops in the graph; about 3 MiB measured, 12 MiB allowed.
+    overhead = 12 * mib
+    assert saved >= not_held - overhead
+    # and it is the experts that went: anonymous memory fell by as much
+    assert stock["RssAnon"] - slots["RssAnon"] >= not_held - overhead
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. bad inputs
+
+
+def test_too_few_slots_names_the_numbers(fixture_dir):
+    path = model(fixture_dir, "qwen3moe-f32")  # 16 experts, top-4
+    assert issubclass(SlotsError, ValueError)
+    message = raises_cleanly(SlotsError, path, 3)
+    assert "moe_slots=3" in message and "3 slots" in message
+    assert "routes to 4 experts" in message and "at least 4" in message
+    assert "16 experts" in message
+
+
+@pytest.mark.parametrize("bad", ["0%", "abc", True, -3, 0, "1KiB", 2.5, "150%"],
+                         ids=["0pct", "abc", "True", "minus3", "zero", "1KiB", "float", "150pct"])
+def test_bad_moe_slots_are_value_errors(fixture_dir, bad):
+    path = model(fixture_dir, "qwen3moe-f32")
+    assert f"moe_slots={bad!r}" in raises_cleanly(ValueError, path, bad)
+
+
+def test_nothing_lost_after_bad_inputs(fixture_dir):
+    """After the errors above nothing is left behind: a stock load is stock, a slot load works."""
+    path = model(fixture_dir, "qwen3moe-f32")
+    for bad in (3, "abc", True):
+        with pytest.raises(ValueError):
+            Llama(str(path), moe_slots=bad, **KW)
+    llm = Llama(str(path), moe_slots=None, n_ubatch=1, **KW)
+    try:
+        assert n_pools(llm) == 0 and llm.moe_stats() is None  # no slot plan left over
+        ref, _ = evaluate(llm, PROMPT)
+    finally:
+        llm.close()
+    got, _, n_ubatch = fresh(path, PROMPT, 4, 512)
+    assert n_ubatch == 1
+    assert np.array_equal(got, ref)
+
+
+def test_more_slots_than_experts_clamps_with_a_notice(fixture_dir, capfd):
+    path = model(fixture_dir, "qwen3moe-f32")
+    llm = Llama(str(path), moe_slots=100, **dict(KW, verbose=True))
+    try:
+        err = capfd.readouterr().err
+        assert "moe_slots=100: 100 slots clamped to the 16 experts per layer" in err
+        stats = llm.moe_stats()
+        assert all(row["n_slots"] == 16 for row in stats["layers"].values())
+        n_ubatch = llm.context_params.n_ubatch
+        assert n_ubatch == 16 // 4
+        got, _ = evaluate(llm, PROMPT, n_greedy=4)
+    finally:
+        llm.close()
+    ref, _, _ = fresh(path, PROMPT, None, n_ubatch, n_greedy=4)
+    assert np.array_equal(got, ref)
+
+
+def test_dense_model_loads_stock_with_a_notice(fixture_dir, capfd):
+    path = model(fixture_dir, "llama-dense")
+    assert not load_index(path).is_moe
+    llm = Llama(str(path), moe_slots=4, **dict(KW, verbose=True))
+    try:
+        err = capfd.readouterr().err
+        assert "no routed experts (llama); moe_slots ignored" in err
+        assert llm.moe_stats() is None and n_pools(llm) == 0
+        assert llm.context_params.n_ubatch == llm.n_batch  # not capped: no pools to fit
+        got, tokens = evaluate(llm, PROMPT, n_greedy=8)
+    finally:
+        llm.close()
+    assert np.isfinite(got).all() and np.ptp(got[-1]) > 0
+    ref, ref_tokens, _ = fresh(path, PROMPT, None, llm.n_batch, n_greedy=8)
+    assert tokens == ref_tokens and np.array_equal(got, ref)
+
+
+def test_truncated_file_fails_before_llama_cpp(fixture_dir, tmp_path, capfd):
+    src = model(fixture_dir, "qwen3moe-f32")
+    index = load_index(src)
+    path = tmp_path / "cut.gguf"
+    shutil.copy(src, path)
+    cut = index.layers[-1].tensors["down"].offset + 100  # inside the last layer's experts
+    os.truncate(path, cut)
+    capfd.readouterr()
+    assert issubclass(ModelError, ValueError)
+    message = raises_cleanly(ModelError, path, 4, verbose=True)
+    assert str(path) in message and "truncated" in message
+    assert "blk.2.ffn_down_exps.weight" in message
+    # llama.cpp logs every model it opens (verbose=True): it was never reached
+    assert "llama_model_load" not in capfd.readouterr().err
+    # control: the same file without moe_slots reaches llama.cpp, which logs and refuses it
+    with pytest.raises(ValueError):
+        Llama(str(path), moe_slots=None, **dict(KW, verbose=True))
+    assert "llama_model_load" in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# 3b. the model file changes while loaded
+
+
+def _check_healthy_load_still_works(src, ref):
+    got, _, _ = fresh(src, PROMPT, 4, 512)
+    assert np.array_equal(got, ref)
+
+
+@pytest.fixture(scope="module")
+def f32_reference(fixture_dir):
+    """qwen3moe-f32 at the minimum (4 slots, n_ubatch 1): the logits of PROMPT, and of PROMPT+MORE
+    fed token by token after it, from stock llama.cpp at the same n_ubatch."""
+    src = model(fixture_dir, "qwen3moe-f32")
+    llm = Llama(str(src), moe_slots=None, n_ubatch=1, **KW)
+    try:
+        prompt, _ = evaluate(llm, PROMPT)
+        for token in llm.tokenize(MORE, add_bos=False):
+            llm.eval([token])
+        full = np.array(llm.scores[: llm.n_tokens], copy=True)
+    finally:
+        llm.close()
+    return src, prompt, full
+
+
+def _load_copy_and_eval(src, tmp_path):
+    path = tmp_path / "model.gguf"
+    shutil.copy(src, path)
+    llm = Llama(str(path), moe_slots=4, **KW)
+    assert llm.context_params.n_ubatch == 1
+    logits, _ = evaluate(llm, PROMPT)
+    return path, llm, logits
+
+
+def _decode_until_read_error(llm):
+    """Feed MORE token by token; a decode that misses must raise MoeReadError. Returns its message."""
+    for token in llm.tokenize(MORE, add_bos=False):
+        n_tokens = llm.n_tokens
+        misses = llm.moe_stats()["total"]["misses"]
+        try:
+            llm.eval([token])
+        except MoeReadError as err:
+            assert llm.n_tokens == n_tokens  # the failed token was not taken in
+            return str(err)
+        # a decode that returned read nothing: every expert it routed to was resident
+        assert llm.moe_stats()["total"]["misses"] == misses
+    raise AssertionError("no decode raised MoeReadError")
+
+
+def test_truncated_while_loaded_raises_and_survives(f32_reference, tmp_path):
+    src, ref, _ = f32_reference
+    path, llm, logits = _load_copy_and_eval(src, tmp_path)
+    try:
+        assert np.array_equal(logits, ref)
+        os.truncate(path, path.stat().st_size // 2)
+        message = _decode_until_read_error(llm)
+        assert str(path) in message and "changed" in message
+        # the model stays failed for reads: a further decode that misses raises again
+        with pytest.raises(MoeReadError):
+            for token in llm.tokenize(b" again and again", add_bos=False):
+                llm.eval([token])
+        llm.close()  # frees model, context and pools after a failed read
+        assert llm.moe_stats() is None
+    finally:
+        llm.close()  # a second close is harmless
+    _check_healthy_load_still_works(src, ref)
+
+
+def test_modified_in_place_raises(f32_reference, tmp_path):
+    src, ref, _ = f32_reference
+    path, llm, logits = _load_copy_and_eval(src, tmp_path)
+    try:
+        assert np.array_equal(logits, ref)
+        size = path.stat().st_size
+        t = load_index(path).layers[0].tensors["down"]
+        with open(path, "r+b") as f:  # same size, other bytes in the expert region
+            f.seek(t.offset)
+            f.write(os.urandom(t.stride * 4))
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert path.stat().st_size == size
+        message = _decode_until_read_error(llm)
+        assert str(path) in message and "changed" in message
+        llm.close()
+        assert llm.moe_stats() is None
+    finally:
+        llm.close()
+    _check_healthy_load_still_works(src, ref)
+
+
+def test_replaced_by_rename_keeps_the_loaded_model(f32_reference, tmp_path):
+    """os.replace over the path: our descriptors hold the old file, outputs stay the original's."""
+    src, ref, ref_full = f32_reference
+    path, llm, logits = _load_copy_and_eval(src, tmp_path)
+    try:
+        assert np.array_equal(logits, ref)
+        # same layout and size, other weights: reading the new file would change the logits
+        spec = dataclasses.replace(fixtures.FIXTURES["qwen3moe-f32"], seed=1234)
+        other = fixtures.write_model(spec, tmp_path / "other" / "model.gguf")
+        assert other.stat().st_size == path.stat().st_size
+        staged = tmp_path / "model.gguf.new"
+        shutil.copy(other, staged)
+        os.replace(staged, path)
+        misses = llm.moe_stats()["total"]["misses"]
+        for token in llm.tokenize(MORE, add_bos=False):
+            llm.eval([token])
+        assert llm.moe_stats()["total"]["misses"] > misses  # experts were read after the swap
+        got = np.array(llm.scores[: llm.n_tokens], copy=True)
+    finally:
+        llm.close()
+    assert np.array_equal(got, ref_full)
+    # a fresh load of the original (the untouched fixture) agrees too
+    fresh_llm = Llama(str(src), moe_slots=4, **KW)
+    try:
+        evaluate(fresh_llm, PROMPT)
+        for token in fresh_llm.tokenize(MORE, add_bos=False):
+            fresh_llm.eval([token])
+        assert np.array_equal(np.array(fresh_llm.scores[: fresh_llm.n_tokens]), got)
+    finally:
+        fresh_llm.close()
+    # and the new file at the path is what a new load sees: different logits
+    new_logits, _, _ = fresh(path, PROMPT, 4, 512)
+    assert not np.array_equal(new_logits, ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. several contexts one after another
+
+
+def test_two_models_one_after_another_agree(fixture_dir):
+    path = model(fixture_dir, "qwen2moe")  # shared expert, 8 experts top-2
+    first = fresh(path, PROMPTS[0], 2, 512, n_greedy=8)
+    second = fresh(path, PROMPTS[0], 2, 512, n_greedy=8)
+    assert first[1] == second[1]
+    assert np.array_equal(first[0], second[0])
+    ref = fresh(path, PROMPTS[0], None, first[2], n_greedy=8)
+    assert first[1] == ref[1] and np.array_equal(first[0], ref[0])
+
+
+def test_three_prompts_with_reset_match_fresh_loads(fixture_dir):
+    path = model(fixture_dir, "deepseek2")  # dense lead layer, groups, shared expert; 16 experts top-4
+    llm = Llama(str(path), moe_slots=4, **KW)
+    try:
+        n_ubatch = llm.context_params.n_ubatch
+        assert n_ubatch == 1
+        for i, prompt in enumerate(PROMPTS):
+            llm.reset()
+            got, _ = evaluate(llm, prompt)
+            ref, _, _ = fresh(path, prompt, None, n_ubatch)
+            assert got.shape == ref.shape and np.array_equal(got, ref), f"prompt {i}"
+        stats = llm.moe_stats()["total"]
+        assert stats["hits"] > 0 and stats["misses"] > 0
+    finally:
+        llm.close()
