@@ -4,7 +4,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": "complete a prompt with a model (default: the built-in one)",
+    "run": "complete a prompt or chat with a model (default: the built-in one)",
+    "serve": "OpenAI-compatible server (llama_cpp.server) with expert slot pools",
+    "exec": "run an unchanged llama-cpp-python program with empanel-gguf",
     "inspect": "routed experts of a GGUF: layers, types, offsets, sizes",
 }
 

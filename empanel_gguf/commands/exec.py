@@ -1,0 +1,155 @@
+"""`empanel-gguf exec [--moe-slots N|P%|SIZE|auto] -- PROGRAM [ARGS...]`: run an unchanged program.
+
+An existing llama-cpp-python program (or `python -m llama_cpp.server ...`) runs with
+empanel-gguf's libraries and expert slot pools, without editing its code: its plain
+`import llama_cpp; llama_cpp.Llama(...)` loads the model with moe_slots from --moe-slots,
+after the memory guard's check.
+
+It runs PROGRAM with these environment variables, which can also be set by hand
+(`empanel-gguf exec --moe-slots 25% --print-env` prints them):
+
+  LLAMA_CPP_LIB_PATH   empanel-gguf's library folder: llama_cpp loads our libllama from it
+  MTMD_CPP_LIB         the same folder (no libmtmd is built: keeps a foreign one out)
+  PYTHONPATH           starts with empanel_gguf/_bootstrap, whose sitecustomize.py runs the
+                       sitecustomize it hides (if any), then, at the program's first
+                       `import llama_cpp`, makes llama_cpp.Llama empanel_gguf's Llama
+  EMPANEL_MOE_SLOTS    moe_slots of every Llama(...) that does not pass one: a count, a share
+                       (25%), a budget for all pools (6GiB), auto (pools only if the experts do
+                       not fit in memory), or none (libraries only, every expert resident)
+  EMPANEL_MEM_FLOOR    memory the guard keeps free (default max(1 GiB, 5% of memory); 0: off)
+  EMPANEL_FORCE        1: load even when the guard estimates that the model does not fit
+
+Python started with -S or -I ignores PYTHONPATH/sitecustomize: there only the libraries change.
+A Llama that the guard refuses raises empanel_gguf.memory.MemoryRefused in the program.
+"""
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "_bootstrap"
+
+
+def setup_arg_parser():
+    from .run import env_arg
+
+    parser = argparse.ArgumentParser(
+        prog="empanel-gguf exec", usage="empanel-gguf exec [options] -- PROGRAM [ARGS...]",
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    env_arg(parser, "-ms", "--moe-slots", env="LLAMA_ARG_MOE_SLOTS", default="auto",
+            metavar="N|P%|SIZE|auto|none", help="slots per MoE layer for the program's models")
+    env_arg(parser, "--mem-floor", env="LLAMA_ARG_MEM_FLOOR", metavar="SIZE|P%",
+            show_default="max(1 GiB, 5% of memory)", help="memory the guard keeps free; 0: no guard")
+    env_arg(parser, "--force", env="LLAMA_ARG_FORCE", action="store_true", default=False,
+            help="load even when the memory guard estimates that a model does not fit")
+    parser.add_argument("--print-env", action="store_true",
+                        help="print the environment as shell exports instead of running a program")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return parser
+
+
+def build_env(moe_slots="auto", mem_floor=None, force=False, base=None):
+    """The environment that makes a program's llama_cpp use empanel-gguf (see the module doc)."""
+    from .._native import lib_dir
+
+    env = dict(os.environ if base is None else base)
+    libs = str(lib_dir())
+    env["LLAMA_CPP_LIB_PATH"] = libs
+    env["MTMD_CPP_LIB"] = libs
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(BOOTSTRAP_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR)] + paths)
+    env["EMPANEL_MOE_SLOTS"] = "none" if moe_slots is None else str(moe_slots)
+    if mem_floor is not None:
+        env["EMPANEL_MEM_FLOOR"] = str(mem_floor)
+    if force:
+        env["EMPANEL_FORCE"] = "1"
+    return env
+
+
+_CHANGED = ("LLAMA_CPP_LIB_PATH", "MTMD_CPP_LIB", "PYTHONPATH", "EMPANEL_MOE_SLOTS",
+            "EMPANEL_MEM_FLOOR", "EMPANEL_FORCE")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        options, command = argv[:cut], argv[cut + 1:]
+    else:
+        options, command = argv, None
+    parser = setup_arg_parser()
+    args = parser.parse_args(options)
+    if command is None:
+        command = args.command
+    env = build_env(args.moe_slots, args.mem_floor, args.force)
+    if args.print_env:
+        for key in _CHANGED:
+            if key in env:
+                print(f"export {key}={shlex.quote(env[key])}")
+        return 0
+    if not command:
+        parser.error("no program given: empanel-gguf exec [options] -- PROGRAM [ARGS...]")
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        print(f"empanel-gguf exec: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
+
+
+# ---------------------------------------------------------------------------------------------
+# inside the program: called by _bootstrap/sitecustomize.py right after `import llama_cpp`
+
+_FROM_ENV = object()
+
+
+def patch_llama_cpp(module):
+    """Make `module.Llama` and `module.llama.Llama` (module: llama_cpp) empanel_gguf's Llama with
+    moe_slots defaulting to EMPANEL_MOE_SLOTS, checked by the memory guard first."""
+    from ..llama import Llama as EmpanelLlama
+
+    class Llama(EmpanelLlama):
+        __doc__ = EmpanelLlama.__doc__
+
+        def __init__(self, model_path, *args, moe_slots=_FROM_ENV, **kwargs):
+            if moe_slots is _FROM_ENV:
+                moe_slots = _slots_from_env(model_path, kwargs)
+            super().__init__(model_path, *args, moe_slots=moe_slots, **kwargs)
+
+    Llama.__name__ = Llama.__qualname__ = "Llama"
+    Llama.__module__ = module.llama.__name__
+    module.Llama = Llama
+    module.llama.Llama = Llama
+    return Llama
+
+
+def _slots_from_env(model_path, kwargs):
+    """EMPANEL_MOE_SLOTS for this load, after the memory guard (which raises MemoryRefused)."""
+    from .. import memory
+    from ..index import ModelError, load_index
+
+    moe_slots = memory.parse_moe_slots(os.environ.get("EMPANEL_MOE_SLOTS"))
+    if kwargs.get("vocab_only"):
+        return None
+    try:
+        index = load_index(model_path)
+    except (ModelError, OSError):
+        return None if moe_slots == "auto" else moe_slots  # Llama reports the file's problem
+    floor_text = os.environ.get("EMPANEL_MEM_FLOOR")
+    floor = memory.parse_floor(floor_text)
+    force = os.environ.get("EMPANEL_FORCE", "").strip().lower() in ("1", "true", "on", "yes")
+    moe_slots, plan, est, available, floor, notes = memory.preflight(
+        index, moe_slots, n_ctx=kwargs.get("n_ctx", 512), n_batch=kwargs.get("n_batch", 512),
+        n_ubatch=kwargs.get("n_ubatch", 512), n_gpu_layers=kwargs.get("n_gpu_layers", 0),
+        logits_all=kwargs.get("logits_all", False), flash_attn=kwargs.get("flash_attn", False),
+        type_k=kwargs.get("type_k"), type_v=kwargs.get("type_v"), floor=floor, force=force,
+        what=f"loading {Path(model_path).name}")
+    if kwargs.get("verbose", True):
+        for text in notes:
+            print(f"empanel: {text}", file=sys.stderr)
+        print(f"empanel: memory: about {memory.fmt_bytes(est.host)} needed, "
+              f"{memory.fmt_bytes(available)} available, {memory.fmt_bytes(floor)} kept free",
+              file=sys.stderr)
+    return moe_slots

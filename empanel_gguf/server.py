@@ -1,0 +1,395 @@
+"""llama-cpp-python's OpenAI-compatible server (llama_cpp.server) with expert slot pools.
+
+    from empanel_gguf.server import EmpanelSettings, create_app
+    app = create_app(server_settings, [EmpanelModelSettings(model="m.gguf", moe_slots="25%")])
+
+What changes against llama_cpp.server:
+  - EmpanelModelSettings adds `moe_slots` (and the memory guard's `mem_floor`, `force`) to its
+    ModelSettings; EmpanelConfigFileSettings takes them in each entry of a config file's `models`.
+  - EmpanelLlamaProxy loads every model as empanel_gguf.Llama: llama_cpp.server's own loader
+    runs unchanged (every other setting keeps its meaning) with its `llama_cpp.Llama` replaced
+    for the duration of the load. The memory guard checks each load first.
+  - GET /metrics (Prometheus text format) and GET /v1/empanel/stats (JSON): live expert hit rate,
+    bytes read and read rate, slots, memory.
+Requests stay serialized by llama_cpp.server's own lock (one model, one request at a time); by
+default a request waits for the one before it (interrupt_requests=false), where llama_cpp.server
+would end a streaming answer early.
+
+Needs llama_cpp.server's extras: pip install "empanel-gguf[server]" (uvicorn, fastapi,
+sse-starlette, starlette-context, pydantic-settings, PyYAML).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from . import llama_cpp  # our libraries first
+from . import memory
+from .llama import Llama as EmpanelLlama
+
+try:
+    import llama_cpp.server.app as _app
+    import llama_cpp.server.model as _model
+    from fastapi import APIRouter, HTTPException
+    from fastapi.responses import PlainTextResponse
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+    from pydantic import Field, field_validator
+except ImportError as e:  # pragma: no cover - exercised where the extras are missing
+    raise ImportError(
+        f"empanel-gguf serve needs llama_cpp.server's extras ({e.name} is missing).\n"
+        'HINT: pip install "empanel-gguf[server]"  (or: pip install uvicorn fastapi sse-starlette '
+        '"starlette-context>=0.3.6,<0.4" pydantic-settings PyYAML)') from e
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+
+
+class EmpanelModelSettings(ModelSettings):
+    """llama_cpp.server's ModelSettings with expert slot pools and the memory guard."""
+
+    moe_slots: Optional[str] = Field(
+        default=None,
+        description="Expert slots per MoE layer: a count (32), a share of the experts (25%), a "
+                    "budget for all pools (6GiB), auto (pools only if the experts do not fit in "
+                    "memory) or none. Unset: auto.")
+    mem_floor: Optional[str] = Field(
+        default=None,
+        description="Memory to keep free (2GiB, 5%, 0 = no guard): a load whose estimate leaves "
+                    "less is refused, and the server stops when less is left. Unset: max(1 GiB, 5%).")
+    force: bool = Field(default=False,
+                        description="Load even when the memory guard estimates that it does not fit.")
+
+    @field_validator("moe_slots", "mem_floor", mode="before")
+    @classmethod
+    def _text(cls, value):
+        return None if value is None else str(value)  # a config file may give 32 as a number
+
+
+class EmpanelServerSettings(ServerSettings):
+    """llama_cpp.server's ServerSettings with llama.cpp's address, 127.0.0.1:8080, and requests
+    that wait their turn instead of cutting off a streaming one (llama_cpp.server's
+    interrupt_requests=True ends a stream early whenever another request arrives)."""
+
+    host: str = Field(default="127.0.0.1", description="Listen address")
+    port: int = Field(default=8080, description="Listen port")
+    interrupt_requests: bool = Field(
+        default=False,
+        description="Whether a new request ends the streaming one early (llama_cpp.server: true); "
+                    "false: requests wait their turn.")
+
+
+class EmpanelSettings(EmpanelServerSettings, EmpanelModelSettings):
+    pass
+
+
+class EmpanelConfigFileSettings(EmpanelServerSettings):
+    """The config file (--config_file, JSON or YAML): server settings and a list of models."""
+
+    models: List[EmpanelModelSettings] = Field(default=[], description="Model configs")
+
+
+def load_config_file(path):
+    """EmpanelConfigFileSettings from a JSON or YAML file."""
+    text = Path(path).read_bytes()
+    if str(path).endswith((".yaml", ".yml")):
+        import json
+
+        import yaml
+
+        return EmpanelConfigFileSettings.model_validate_json(json.dumps(yaml.safe_load(text)))
+    return EmpanelConfigFileSettings.model_validate_json(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+class _LlamaCppWithSlots:
+    """Stands in for the llama_cpp module inside llama_cpp.server.model during one load: the same
+    module, except that `Llama` is empanel_gguf's with the load's moe_slots."""
+
+    def __init__(self, llama_class):
+        self.Llama = llama_class
+
+    def __getattr__(self, name):
+        return getattr(llama_cpp, name)
+
+
+def _llama_with_slots(moe_slots):
+    class Llama(EmpanelLlama):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("moe_slots", moe_slots)
+            super().__init__(*args, **kwargs)
+
+    Llama.__name__ = Llama.__qualname__ = "Llama"
+    return Llama
+
+
+class EmpanelLlamaProxy(_model.LlamaProxy):
+    """llama_cpp.server's LlamaProxy whose loads go through the memory guard and make
+    empanel_gguf.Llama models. Also remembers, per loaded model, what the guard decided."""
+
+    def __init__(self, models):
+        self._swap = threading.RLock()  # held while the current model changes; stats take it too
+        self.loaded = {}  # alias -> {"moe_slots", "plan", "index", "estimate", "floor", ...}
+        self.floor = None  # the memory floor of the current model (for the watchdog)
+        self.watchdog = None
+        super().__init__(models)
+
+    def __call__(self, model=None):
+        with self._swap:
+            return super().__call__(model)
+
+    def free(self):
+        with self._swap:
+            super().free()
+            self._current_model = None
+
+    def load_llama_from_model_settings(self, settings):
+        from .index import load_index
+
+        alias = settings.model_alias or settings.model
+        if settings.hf_model_repo_id is None and not settings.vocab_only:
+            index = load_index(settings.model)
+            floor = memory.parse_floor(getattr(settings, "mem_floor", None))
+            slots = memory.parse_moe_slots(getattr(settings, "moe_slots", None) or "auto")
+            moe_slots, plan, est, available, floor, notes = memory.preflight(
+                index, slots, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
+                n_ubatch=settings.n_ubatch, n_gpu_layers=settings.n_gpu_layers,
+                logits_all=settings.logits_all, flash_attn=settings.flash_attn,
+                type_k=settings.type_k, type_v=settings.type_v, floor=floor,
+                force=getattr(settings, "force", False), what=f"loading {alias}")
+            for text in notes:
+                _log(text)
+            if plan is not None:
+                _log(f"{alias}: {plan.min_slots} of {plan.n_expert} expert slots per MoE layer, "
+                     f"{memory.fmt_bytes(plan.pool_bytes)} of pools instead of "
+                     f"{memory.fmt_bytes(index.expert_bytes_total)} of experts")
+            _log(f"memory: about {memory.fmt_bytes(est.host)} needed, {memory.fmt_bytes(available)} "
+                 f"available, {memory.fmt_bytes(floor)} kept free")
+            info = {"moe_slots": moe_slots, "plan": plan, "index": index, "estimate": est,
+                    "floor": floor}
+        else:  # a hub download or vocabulary only: nothing to size before the file is here
+            moe_slots = memory.parse_moe_slots(getattr(settings, "moe_slots", None))
+            moe_slots = None if moe_slots == "auto" or settings.vocab_only else moe_slots
+            info = {"moe_slots": moe_slots, "plan": None, "index": None, "estimate": None,
+                    "floor": memory.parse_floor(getattr(settings, "mem_floor", None))}
+
+        saved = _model.llama_cpp
+        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots))
+        try:
+            llm = _model.LlamaProxy.load_llama_from_model_settings(settings)
+        finally:
+            _model.llama_cpp = saved
+        self.loaded[alias] = info
+        self.floor = info["floor"]
+        return llm
+
+    def current(self):
+        """(alias, model) of the loaded model, or (None, None)."""
+        return self._current_model_alias, self._current_model
+
+    def snapshot(self, timeout=1.0):
+        """(alias, moe_stats or None, info) of the current model; None if a load holds it."""
+        if not self._swap.acquire(timeout=timeout):
+            return None
+        try:
+            alias, llm = self.current()
+            if llm is None:
+                return alias, None, {}
+            stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
+            return alias, stats, self.loaded.get(alias, {})
+        finally:
+            self._swap.release()
+
+
+def _log(text):
+    print(f"empanel: {text}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# live statistics
+
+
+class RateSampler:
+    """Samples the current model's totals once a second; rates over the last `window` seconds."""
+
+    def __init__(self, proxy_fn, window=10.0, interval=1.0):
+        self.proxy_fn = proxy_fn
+        self.window = window
+        self.interval = interval
+        self.samples = collections.deque(maxlen=int(window / interval) + 2)
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="empanel-stats", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self):
+        proxy = self.proxy_fn()
+        snap = proxy.snapshot(timeout=0.2) if proxy is not None else None
+        if snap is None:
+            return
+        alias, stats, _ = snap
+        if stats is None:
+            return
+        t = stats["total"]
+        point = (time.monotonic(), alias, t["hits"], t["misses"], t["bytes_read"], t["read_s"])
+        if self.samples and self.samples[-1][1] != alias:
+            self.samples.clear()  # another model: its counters start over
+        self.samples.append(point)
+
+    def recent(self):
+        """{"window_s", "bytes_read_per_s", "hit_rate", "read_gbps"} over the sampled window."""
+        if len(self.samples) < 2:
+            return {"window_s": 0.0, "bytes_read_per_s": 0.0, "hit_rate": None, "read_gbps": None}
+        t0, _, h0, m0, b0, r0 = self.samples[0]
+        t1, _, h1, m1, b1, r1 = self.samples[-1]
+        dt = max(t1 - t0, 1e-9)
+        lookups = (h1 - h0) + (m1 - m0)
+        return {"window_s": round(dt, 3), "bytes_read_per_s": (b1 - b0) / dt,
+                "hit_rate": (h1 - h0) / lookups if lookups else None,
+                "read_gbps": (b1 - b0) / (r1 - r0) / 1e9 if r1 > r0 else None}
+
+
+def stats_json(proxy, sampler):
+    snap = proxy.snapshot() if proxy is not None else None
+    if snap is None:
+        raise HTTPException(status_code=503, detail="a model is loading")
+    alias, stats, info = snap
+    out = {"model": alias, "slot_pools": stats is not None,
+           "memory": {"available_bytes": memory.available_memory(), "floor_bytes": info.get("floor"),
+                      "peak_rss_bytes": _peak_rss()}}
+    est = info.get("estimate")
+    if est is not None:
+        out["memory"]["estimated_bytes"] = est.host
+    if stats is not None:
+        t = dict(stats["total"])
+        t.setdefault("read_gbps", t["bytes_read"] / t["read_s"] / 1e9 if t["read_s"] > 0 else 0.0)
+        out["total"] = t
+        out["layers"] = {str(il): row for il, row in stats["layers"].items()}
+        out["recent"] = sampler.recent() if sampler is not None else None
+    return out
+
+
+def _peak_rss():
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+_METRICS = (  # name, stats key, type, help
+    ("empanel_expert_hits_total", "hits", "counter",
+     "Distinct experts of a micro-batch found in a slot."),
+    ("empanel_expert_misses_total", "misses", "counter",
+     "Distinct experts of a micro-batch read from the model file."),
+    ("empanel_read_bytes_total", "bytes_read", "counter", "Bytes of experts read from the model file."),
+    ("empanel_read_seconds_total", "read_s", "counter", "Time spent reading experts."),
+    ("empanel_remap_seconds_total", "remap_s", "counter", "Time spent in the remap step."),
+    ("empanel_remaps_total", "n_remaps", "counter", "Remap calls (one per micro-batch and layer)."),
+    ("empanel_slots", "n_slots", "gauge", "Expert slots of the layer's pool."),
+    ("empanel_slots_resident", "n_resident", "gauge", "Slots holding an expert."),
+)
+
+
+def _label(value):
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def metrics_text(proxy, sampler):
+    """Prometheus text exposition format 0.0.4."""
+    data = stats_json(proxy, sampler)
+    model = _label(data["model"])
+    lines = []
+
+    def metric(name, kind, help_text, rows):
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in rows:
+            if value is None:
+                continue
+            text = ",".join(f'{k}="{v}"' for k, v in labels)
+            lines.append(f"{name}{{{text}}} {float(value):.10g}" if text else f"{name} {float(value):.10g}")
+
+    def per_layer(key):
+        return [((("model", model), ("layer", il)), row.get(key)) for il, row in data["layers"].items()]
+
+    metric("empanel_slot_pools", "gauge", "1 if the model runs with expert slot pools.",
+           [((("model", model),), 1 if data["slot_pools"] else 0)])
+    if data["slot_pools"]:
+        for name, key, kind, help_text in _METRICS:
+            metric(name, kind, help_text, per_layer(key))
+        metric("empanel_hit_rate", "gauge", "Expert hit rate since the model was loaded.",
+               [((("model", model),), data["total"]["hit_rate"])])
+        recent = data.get("recent") or {}
+        metric("empanel_read_bytes_per_second", "gauge",
+               "Bytes of experts read per second over the last seconds (see window).",
+               [((("model", model),), recent.get("bytes_read_per_s"))])
+        metric("empanel_recent_hit_rate", "gauge", "Expert hit rate over the last seconds.",
+               [((("model", model),), recent.get("hit_rate"))])
+    mem = data["memory"]
+    metric("empanel_memory_available_bytes", "gauge", "Memory available to the process (guard's view).",
+           [((), mem.get("available_bytes"))])
+    metric("empanel_memory_floor_bytes", "gauge", "Memory the guard keeps free.", [((), mem.get("floor_bytes"))])
+    metric("empanel_peak_rss_bytes", "gauge", "Peak resident set size of the server.",
+           [((), mem.get("peak_rss_bytes"))])
+    return "\n".join(lines) + "\n"
+
+
+def stats_router(sampler=None):
+    router = APIRouter()
+
+    @router.get("/v1/empanel/stats", tags=["empanel"], summary="Expert slot pool statistics")
+    def empanel_stats():
+        return stats_json(_app._llama_proxy, sampler)
+
+    @router.get("/metrics", tags=["empanel"], summary="Prometheus metrics",
+                response_class=PlainTextResponse)
+    def metrics():
+        return PlainTextResponse(metrics_text(_app._llama_proxy, sampler),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return router
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def create_app(server_settings: ServerSettings, model_settings: List[ModelSettings]):
+    """llama_cpp.server's app, with our proxy as its model loader and our stats routes."""
+    saved_proxy, saved_config = _app.LlamaProxy, os.environ.pop("CONFIG_FILE", None)
+    _app.LlamaProxy = EmpanelLlamaProxy  # set_llama_proxy() builds the proxy from this name
+    try:
+        app = _app.create_app(server_settings=server_settings, model_settings=model_settings)
+    finally:
+        _app.LlamaProxy = saved_proxy
+        if saved_config is not None:
+            os.environ["CONFIG_FILE"] = saved_config  # create_app would re-read it with its own settings
+    sampler = RateSampler(lambda: _app._llama_proxy).start()
+    app.include_router(stats_router(sampler))
+    app.state.empanel_sampler = sampler
+    return app
+
+
+def proxy():
+    """The running app's EmpanelLlamaProxy."""
+    return _app._llama_proxy

@@ -1,0 +1,321 @@
+"""The command line: `run` (completion, chat, env defaults, report, memory guard), `exec`, and the
+memory guard's estimate, refusal and watchdog.
+
+Commands run as real subprocesses (`python -m empanel_gguf ...`) on tiny fixture models, with the
+checkout first on PYTHONPATH; outputs at temperature 0 are compared with the in-process Llama.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from empanel_gguf import Llama, fixtures, memory
+from empanel_gguf.index import load_index
+from empanel_gguf.sizing import plan_slots
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 60  # seconds, any one command
+MODEL = "qwen3moe-q8_0"  # 3 layers, 16 experts (top-4), context 512
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(fixtures.write_fixture(MODEL, tmp_path_factory.mktemp("cli-fixtures")))
+
+
+def cli_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k not in ("LLAMA_CPP_LIB_PATH",)}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def cli(*args, env=None, stdin=None, cwd=REPO, prefix=None):
+    cmd = (prefix or [sys.executable, "-m", "empanel_gguf"]) + [str(a) for a in args]
+    return subprocess.run(cmd, cwd=cwd, env=env or cli_env(), input=stdin, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def report(proc):
+    assert "empanel: report" in proc.stderr, proc.stderr
+    return proc.stderr.split("empanel: report", 1)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+
+def test_run_prompt_streams_with_report(model):
+    proc = cli("run", model, "-p", "Hello", "-n", 8, "--temp", 0, "--moe-slots", 8)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Hello")
+    rep = report(proc)
+    assert re.search(r"prompt +\d+ tokens in [\d.]+ s: [\d.]+ tok/s", rep), rep
+    assert re.search(r"decode +\d+ tokens in [\d.]+ s: [\d.]+ tok/s", rep), rep
+    assert re.search(r"hit rate [\d.]+% \(\d+ hits, \d+ misses\): .* read in [\d.]+ s, [\d.-]+ GB/s", rep), rep
+    assert re.search(r"peak RSS +[\d.]+ MiB", rep), rep
+    assert "8 of 16 per MoE layer" in rep
+    assert "indexed" in proc.stderr and "loaded" in proc.stderr  # progress while loading
+
+    # the streamed text is the in-process Llama's at temperature 0 (streamed too: llama-cpp-python
+    # drops the bytes of a token that are not valid UTF-8 when streaming, not otherwise)
+    llm = Llama(model, moe_slots=8, n_ctx=512, verbose=False)
+    try:
+        want = "".join(chunk["choices"][0]["text"] for chunk in
+                       llm.create_completion("Hello", max_tokens=8, temperature=0, stream=True))
+    finally:
+        llm.close()
+    assert proc.stdout == "Hello" + want + "\n"
+
+
+def test_run_env_defaults_and_command_line_wins(model):
+    env = cli_env(LLAMA_ARG_MOE_SLOTS="4", LLAMA_ARG_N_PREDICT="4", LLAMA_ARG_TEMP="0")
+    proc = cli("run", model, "-p", "Hello", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "4 of 16 per MoE layer" in report(proc)
+
+    proc = cli("run", model, "-p", "Hello", "--moe-slots", "none", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "none: all 16 experts of each layer resident" in report(proc)
+    assert "hit rate" not in report(proc)
+
+    proc = cli("run", "--help", env=env)
+    text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+    assert "(default: 4, env: LLAMA_ARG_MOE_SLOTS)" in text, text
+    assert "env: LLAMA_ARG_CTX_SIZE" in text and "env: LLAMA_ARG_N_GPU_LAYERS" in text
+
+
+def test_run_builtin_model_streams_by_default(tmp_path):
+    proc = cli("run", "-n", 4, env=cli_env(XDG_CACHE_HOME=str(tmp_path)), stdin="")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Once upon a time")
+    assert "8 of 16 per MoE layer" in report(proc)  # 50 % of the built-in model's experts
+    assert (tmp_path / "empanel-gguf" / "models" / f"{MODEL}.gguf").exists()
+
+
+def test_run_chat_over_a_pipe(model):
+    proc = cli("run", model, "-cnv", "--temp", 0, "-n", 6, "--moe-slots", 8,
+               stdin="Hi there\n/exit\nnot read\n")
+    assert proc.returncode == 0, proc.stderr
+    llm = Llama(model, moe_slots=8, n_ctx=512, verbose=False)
+    try:
+        chunks = llm.create_chat_completion([{"role": "user", "content": "Hi there"}], max_tokens=6,
+                                            temperature=0, stream=True)
+        want = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+    finally:
+        llm.close()
+    assert proc.stdout == want + "\n"
+    assert "decode" in report(proc)
+
+
+def test_run_refuses_what_does_not_fit(model):
+    # 100 KiB "available": the fixture's estimate (64 MiB of it runtime) cannot fit
+    env = cli_env(EMPANEL_MEM_AVAILABLE="100KiB", LLAMA_ARG_CTX_SIZE="256")
+    proc = cli("run", model, "-p", "Hello", "-n", 2, "--mem-floor", 0, env=env)
+    assert proc.returncode == 3, proc.stderr
+    assert "refused" in proc.stderr and "--force" in proc.stderr
+    assert "KV cache (n_ctx 256)" in proc.stderr  # the context size came from LLAMA_ARG_CTX_SIZE
+    assert "empanel: report" not in proc.stderr and proc.stdout == ""
+
+    proc = cli("run", model, "-p", "Hello", "-n", 2, "--mem-floor", 0, "--force", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" in proc.stderr and "empanel: report" in proc.stderr
+
+
+def test_run_stops_when_memory_runs_low(model):
+    # forced past the guard with less available than the floor: the watchdog stops the run
+    env = cli_env(EMPANEL_MEM_AVAILABLE="1GiB")
+    proc = cli("run", model, "-p", "Hello", "-n", -1, "--mem-floor", "2GiB", "--force", env=env)
+    assert proc.returncode == 3, proc.stderr
+    assert "stopping: available memory fell to 1.00 GiB, below the floor of 2.00 GiB" in proc.stderr
+    assert "empanel: report" in proc.stderr  # stopped cleanly, with the report
+
+
+def test_run_bad_slots_is_an_error(model):
+    proc = cli("run", model, "-p", "Hello", "--moe-slots", 2)  # below top-4
+    assert proc.returncode == 1
+    assert "at least 4" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# exec
+
+APP = textwrap.dedent("""
+    import sys
+    import llama_cpp
+    print("hooks", hasattr(llama_cpp.llama_cpp._lib, "llama_empanel_api_version"))
+    llm = llama_cpp.Llama(sys.argv[1], n_ctx=256, verbose=False)
+    out = llm.create_completion("Hello", max_tokens=6, temperature=0)["choices"][0]["text"]
+    stats = llm.moe_stats()
+    print("slots", stats["total"]["n_slots"] if stats else None)
+    print("lookups", stats["total"]["hits"] + stats["total"]["misses"] if stats else None)
+    print("text", repr(out))
+""")
+
+
+def exec_prefix():
+    """`empanel-gguf exec` started from the checkout, without putting the checkout on the
+    program's own path: the bootstrap must find empanel_gguf by itself."""
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from empanel_gguf.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", code]
+
+
+def test_exec_runs_an_unchanged_program(model, tmp_path):
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    env = cli_env()
+    env.pop("PYTHONPATH")
+    proc = cli("exec", "--moe-slots", 4, "--", sys.executable, app, model, env=env, cwd=tmp_path,
+               prefix=exec_prefix())
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["hooks"] == "True"
+    assert lines["slots"] == "12"  # 4 slots in each of 3 layers
+    assert int(lines["lookups"]) > 0
+    llm = Llama(model, moe_slots=4, n_ctx=256, verbose=False)
+    try:
+        want = llm.create_completion("Hello", max_tokens=6, temperature=0)["choices"][0]["text"]
+    finally:
+        llm.close()
+    assert lines["text"] == repr(want)
+
+
+def test_exec_chains_an_existing_sitecustomize_and_guards(model, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITECUSTOMIZE'] = 'ran'\n")
+    code = ("import os, llama_cpp; print(os.environ.get('OTHER_SITECUSTOMIZE'), "
+            "'empanel_gguf.llama.Llama' in str(llama_cpp.Llama.__mro__))")
+    env = cli_env(PYTHONPATH=f"{REPO}{os.pathsep}{other}")
+    proc = cli("exec", "--moe-slots", "none", "--", sys.executable, "-c", code, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ran", "True"]
+
+    # the memory guard refuses inside the program, with MemoryRefused
+    code = ("import sys, llama_cpp\ntry:\n    llama_cpp.Llama(sys.argv[1], verbose=False)\n"
+            "except Exception as e:\n    print(type(e).__name__)\n")
+    env = cli_env(EMPANEL_MEM_AVAILABLE="100KiB")
+    proc = cli("exec", "--moe-slots", 4, "--mem-floor", 0, "--", sys.executable, "-c", code, model,
+               env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "MemoryRefused"
+
+
+def test_exec_print_env():
+    proc = cli("exec", "--moe-slots", "25%", "--print-env")
+    assert proc.returncode == 0, proc.stderr
+    assert "export EMPANEL_MOE_SLOTS=25%" in proc.stdout
+    assert re.search(r"export LLAMA_CPP_LIB_PATH=\S+empanel_gguf/lib", proc.stdout)
+    assert "_bootstrap" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# the memory guard
+
+
+def test_estimate_counts_weights_pools_kv_and_compute(model):
+    index = load_index(model)
+    plan = plan_slots(index, 8)
+    est = memory.estimate(index, plan, n_ctx=512)
+    assert est.weights == index.other_bytes_total
+    assert est.experts == plan.pool_bytes
+    # 3 layers x 2 KV heads x (16 + 16) dims x 2 bytes (F16) per token
+    assert est.kv_per_token == 3 * 2 * 32 * 2
+    assert est.kv == 512 * est.kv_per_token
+    assert est.compute >= memory.RUNTIME_BYTES
+    assert est.total == est.weights + est.experts + est.kv + est.compute == est.host
+
+    full = memory.estimate(index, None, n_ctx=512)
+    assert full.experts == index.expert_bytes_total
+    assert memory.estimate(index, plan, n_ctx=0).n_ctx == 512  # 0: the model's context
+    q8 = memory.estimate(index, plan, n_ctx=512, type_k=8, type_v=8)  # Q8_0 KV cache
+    assert q8.kv < est.kv
+    offloaded = memory.estimate(index, plan, n_ctx=512, n_gpu_layers=-1, gpu_offload=True)
+    assert offloaded.host == offloaded.compute
+
+
+def test_estimate_mla(tmp_path):
+    index = load_index(fixtures.write_fixture("deepseek2", tmp_path))
+    shape = memory.model_shape(index)
+    assert shape.mla and shape.n_head_kv == 1
+    assert (shape.head_k, shape.head_v) == (32 + 16, 32)  # kv_lora_rank + rope dims, kv_lora_rank
+
+
+def test_check_refuses_with_advice_that_fits(model):
+    index = load_index(model)
+    plan = plan_slots(index, 16)
+    est = memory.estimate(index, plan, n_ctx=512)
+    floor = 1 << 20
+    # room for the pools of 10 slots, not 16
+    per_slot = sum(layer.expert_bytes for layer in index.layers)
+    available = est.host - est.experts + 10 * per_slot + floor
+    with pytest.raises(memory.MemoryRefused) as err:
+        memory.check(est, index, plan, available=available, floor=floor)
+    text = str(err.value)
+    assert "--force" in text and "--mem-floor" in text
+    slots = int(re.search(r"--moe-slots (\d+) ", text).group(1))
+    assert 10 <= slots < 16  # 10 at least: fewer slots also mean smaller micro-batches
+    fits = memory.estimate(index, plan_slots(index, slots), n_ctx=512)
+    assert memory.check(fits, index, None, available=available, floor=floor) >= 0
+    too_many = memory.estimate(index, plan_slots(index, slots + 1), n_ctx=512)
+    with pytest.raises(memory.MemoryRefused):
+        memory.check(too_many, index, None, available=available, floor=floor)
+
+    # a big context: the advice names a context size that fits
+    big = memory.estimate(index, plan_slots(index, 4), n_ctx=512 * 64)
+    available = big.host - big.kv + 2048 * big.kv_per_token + floor
+    with pytest.raises(memory.MemoryRefused, match=r"-c 2048 \(now 32768"):
+        memory.check(big, index, None, available=available, floor=floor)
+    assert memory.check(big, index, None, available=available, floor=floor, force=True) < 0
+    assert memory.check(big, index, None, available=None, floor=floor) is None  # unknown: no guard
+
+
+def test_preflight_auto_slots(model):
+    index = load_index(model)
+    slots, plan, est, *_ = memory.preflight(index, "auto", n_ctx=512, available=1 << 40, floor=0)
+    assert slots is None and plan is None and est.experts == index.expert_bytes_total
+    full = memory.estimate(index, None, n_ctx=512)
+    six = memory.estimate(index, plan_slots(index, 6), n_ctx=512)
+    slots, plan, est, *_ = memory.preflight(index, "auto", n_ctx=512, available=six.host, floor=0)
+    assert slots == 6 and plan.min_slots == 6 and est.host == six.host < full.host
+    fewest = memory.estimate(index, plan_slots(index, 4), n_ctx=512)
+    with pytest.raises(memory.MemoryRefused, match="even the fewest slots"):
+        memory.preflight(index, "auto", n_ctx=512, available=fewest.host - 1, floor=0)
+
+
+def test_parse_helpers(monkeypatch):
+    assert memory.parse_floor("2GiB") == 2 << 30
+    assert memory.parse_floor("0") == 0
+    assert memory.parse_floor("10%", total=1000) == 100
+    assert memory.parse_floor(None, total=100 << 30) == 5 << 30
+    assert memory.parse_floor(None, total=4 << 30) == 1 << 30
+    with pytest.raises(ValueError):
+        memory.parse_floor("lots")
+    assert [memory.parse_moe_slots(v) for v in ("none", "0", "auto", "8", "25%", None)] == \
+        [None, None, "auto", 8, "25%", None]
+    monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", "3GiB")
+    assert memory.available_memory() == 3 << 30
+    monkeypatch.delenv("EMPANEL_MEM_AVAILABLE")
+    if sys.platform.startswith("linux"):
+        assert 0 < memory.available_memory() <= memory.total_memory()
+
+
+def test_watchdog_trips_once_below_the_floor():
+    values = iter([10, 9, 8, 3, 2, 1])
+    calls = []
+    dog = memory.Watchdog(5, lambda available, floor: calls.append((available, floor)),
+                          interval=0.01, available_fn=lambda: next(values, 1))
+    with dog:
+        assert dog.tripped.wait(5)
+        time.sleep(0.05)
+    assert calls == [(3, 5)]
+    assert "below the floor" in dog.message()
+    idle = memory.Watchdog(0, None).start()  # floor 0: no thread at all
+    assert idle._thread is None

@@ -1,0 +1,222 @@
+"""`empanel-gguf serve`: llama_cpp.server with slot pools, over real HTTP on loopback.
+
+One server subprocess on 127.0.0.1 and a free port serves a fixture model; the `openai` client
+asks for chat and completions, streaming and not, two at once; at temperature 0 the answers equal
+the in-process empanel_gguf.Llama with the same settings. Every wait is bounded and the server is
+always killed. Needs llama_cpp.server's extras (`pip install "empanel-gguf[server]"`) and
+`openai`; without them these tests are skipped.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+for _name in ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings"):
+    pytest.importorskip(_name, reason='llama_cpp.server extras missing: pip install "empanel-gguf[server]"')
+openai = pytest.importorskip("openai", reason="the openai client is missing: pip install openai")
+
+from empanel_gguf import Llama, fixtures  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "qwen3moe-q8_0"
+SLOTS = 8
+N_CTX = 512
+START_TIMEOUT = 45  # seconds for the server to answer
+REQUEST_TIMEOUT = 30
+# what llama_cpp.server's request models default to, and the in-process calls must repeat
+SERVER_DEFAULTS = dict(repeat_penalty=1.1, top_k=40, top_p=0.95, min_p=0.05)
+PROMPT = "Hello"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k not in ("MODEL", "CONFIG_FILE", "HOST", "PORT")}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.status, response.headers.get("content-type", ""), response.read().decode()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(fixtures.write_fixture(MODEL, tmp_path_factory.mktemp("server-fixtures")))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    cmd = [sys.executable, "-m", "empanel_gguf", "serve", model, "--moe-slots", str(SLOTS),
+           "--n_ctx", str(N_CTX), "--host", "127.0.0.1", "--port", str(port), "--verbose", "false"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(), stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if get(f"{base}/v1/models", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not answer within {START_TIMEOUT} s:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield base, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    base, _ = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The in-process answers: completion and chat, streamed and not, at temperature 0."""
+    llm = Llama(model, moe_slots=SLOTS, n_ctx=N_CTX, logits_all=True, verbose=False)
+    try:
+        kw = dict(max_tokens=12, temperature=0, **SERVER_DEFAULTS)
+        out = {
+            "completion": llm.create_completion(PROMPT, **kw)["choices"][0]["text"],
+            "completion_stream": "".join(c["choices"][0]["text"]
+                                         for c in llm.create_completion(PROMPT, stream=True, **kw)),
+            "chat": llm.create_chat_completion(MESSAGES, **kw)["choices"][0]["message"]["content"],
+            "chat_stream": "".join(c["choices"][0]["delta"].get("content") or ""
+                                   for c in llm.create_chat_completion(MESSAGES, stream=True, **kw)),
+        }
+    finally:
+        llm.close()
+    return out
+
+
+def ask(client, kind, stream):
+    """One request like the reference's; returns the text."""
+    if kind == "completion":
+        result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                           stream=stream)
+        if stream:
+            return "".join(chunk.choices[0].text for chunk in result)
+        return result.choices[0].text
+    result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                            temperature=0, stream=stream)
+    if stream:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in result if chunk.choices)
+    return result.choices[0].message.content
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_answers_equal_in_process_llama(client, reference, kind, stream):
+    want = reference[f"{kind}_stream" if stream else kind]
+    assert ask(client, kind, stream) == want
+
+
+def test_two_requests_at_once(client, reference):
+    """Both answers complete and are right: requests queue (interrupt_requests is false)."""
+    jobs = [("completion", True), ("chat", False), ("chat", True), ("completion", False)]
+    results, errors = {}, []
+
+    def one(kind, stream):
+        try:
+            results[(kind, stream)] = ask(client, kind, stream)
+        except Exception as e:  # reported below, with the request
+            errors.append((kind, stream, e))
+
+    for pair in (jobs[:2], jobs[2:]):  # two at a time
+        threads = [threading.Thread(target=one, args=job) for job in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=REQUEST_TIMEOUT * 2)
+        assert not any(t.is_alive() for t in threads), "a request did not finish"
+    assert not errors, errors
+    for kind, stream in jobs:
+        assert results[(kind, stream)] == reference[f"{kind}_stream" if stream else kind], (kind, stream)
+
+
+def test_stats_endpoints(server, client):
+    base, _ = server
+    ask(client, "completion", False)  # some traffic
+    status, kind, body = get(f"{base}/v1/empanel/stats")
+    assert status == 200 and kind.startswith("application/json")
+    stats = json.loads(body)
+    assert stats["slot_pools"] is True
+    total = stats["total"]
+    assert total["n_slots"] == SLOTS * 3  # 3 MoE layers
+    assert total["hits"] + total["misses"] > 0 and total["bytes_read"] > 0
+    assert 0.0 <= total["hit_rate"] <= 1.0 and "read_gbps" in total
+    assert set(stats["layers"]) == {"0", "1", "2"}
+    assert stats["memory"]["available_bytes"] > 0 and stats["memory"]["estimated_bytes"] > 0
+    assert "bytes_read_per_s" in stats["recent"]
+
+    status, kind, body = get(f"{base}/metrics")
+    assert status == 200 and kind.startswith("text/plain")
+    assert "# TYPE empanel_expert_hits_total counter" in body
+    assert 'empanel_expert_hits_total{model="' in body and 'layer="0"}' in body
+    rate = [line for line in body.splitlines() if line.startswith("empanel_hit_rate{")]
+    assert len(rate) == 1 and 0.0 <= float(rate[0].rsplit(" ", 1)[1]) <= 1.0
+    assert "empanel_read_bytes_per_second" in body and "empanel_memory_available_bytes" in body
+
+
+def test_models_lists_the_model(client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_config_file_settings_take_moe_slots(tmp_path, model):
+    from empanel_gguf.commands import serve
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"host": "127.0.0.1", "port": 9999, "models": [
+        {"model": model, "model_alias": "a", "moe_slots": 8, "n_ctx": 256},
+        {"model": model, "model_alias": "b", "moe_slots": "25%", "mem_floor": "2GiB"},
+    ]}))
+    args = serve.setup_arg_parser().parse_args(["--config_file", str(config)])
+    server_settings, models, builtin = serve.settings_from_args(args)
+    assert (server_settings.host, server_settings.port, builtin) == ("127.0.0.1", 9999, False)
+    assert [(m.model_alias, m.moe_slots, m.n_ctx) for m in models] == [("a", "8", 256), ("b", "25%", 2048)]
+    assert models[1].mem_floor == "2GiB"
+
+    args = serve.setup_arg_parser().parse_args([model, "-ms", "6", "-c", "128", "--force"])
+    server_settings, models, _ = serve.settings_from_args(args)
+    assert (server_settings.host, server_settings.port) == ("127.0.0.1", 8080)
+    assert server_settings.interrupt_requests is False
+    assert (models[0].model, models[0].moe_slots, models[0].n_ctx, models[0].force) == (model, "6", 128, True)
+
+
+def test_serve_refuses_what_does_not_fit(model):
+    proc = subprocess.run(
+        [sys.executable, "-m", "empanel_gguf", "serve", model, "--moe-slots", "8", "--mem-floor", "0",
+         "--port", str(free_port())],
+        cwd=REPO, env=server_env(EMPANEL_MEM_AVAILABLE="100KiB"), capture_output=True, text=True,
+        timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "refused" in proc.stderr and "--force" in proc.stderr
