@@ -148,8 +148,10 @@ class Llama(llama_cpp.Llama):
 
     Args:
         model_path: path to the GGUF model (the first shard of a split model).
-        moe_slots: slots per MoE layer: a count (32), a share of the experts ("25%"), or a memory
-            budget for all pools ("6GiB"). None: stock behaviour, every expert resident.
+        moe_slots: slots per MoE layer: a count (32), a share of the experts ("25%"), a memory
+            budget for all pools ("6GiB"), or "auto": every expert resident if the model fits in
+            the available memory (minus a floor), else the most slots that fit. None: stock
+            behaviour, every expert resident.
         moe_policy: which expert a full pool evicts: "lru" (default) or "lfu-decay".
         moe_io_threads: reader threads besides the decoding thread (default 8).
         moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
@@ -168,6 +170,11 @@ class Llama(llama_cpp.Llama):
             return
         verbose = kwargs.get("verbose", True)
         index = load_index(model_path)
+        if moe_slots == "auto":
+            moe_slots = _auto_slots(index, kwargs, verbose)
+            if moe_slots is None:
+                super().__init__(model_path, *args, **kwargs)
+                return
         if not index.is_moe:
             _notice(verbose, f"{model_path}: no routed experts ({index.architecture}); "
                              "moe_slots ignored, loading as usual")
@@ -239,6 +246,22 @@ class Llama(llama_cpp.Llama):
             super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
+
+
+def _auto_slots(index, kwargs, verbose):
+    """moe_slots="auto": the most slots that fit in available memory minus the floor (see
+    memory.py), or None when every expert fits."""
+    from . import memory
+
+    n_ctx = kwargs.get("n_ctx", 512)
+    slots, _, est, available, floor, notes = memory.preflight(
+        index, "auto", n_ctx=n_ctx if n_ctx > 0 else memory.DEFAULT_N_CTX,
+        n_batch=kwargs.get("n_batch", 512), n_ubatch=kwargs.get("n_ubatch", 512),
+        n_gpu_layers=kwargs.get("n_gpu_layers", 0), logits_all=kwargs.get("logits_all", False),
+        force=True)
+    for text in notes:
+        _notice(verbose, text)
+    return slots
 
 
 def _notice(verbose, text):

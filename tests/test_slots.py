@@ -141,3 +141,28 @@ def test_without_slots_is_stock(fixture_dir):
         assert llm.context_params.n_ubatch == 128  # min(n_ctx, n_batch, n_ubatch), uncapped
     finally:
         llm.close()
+
+
+def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
+    """moe_slots="auto": stock when the model fits, else the most slots that fit."""
+    from empanel_gguf import memory
+
+    path = fixtures.write_fixture("qwen3moe-rss", fixture_dir)
+    monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", "64GiB")
+    llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots="auto")
+    assert llm.moe_stats() is None  # everything fits: every expert resident
+    llm.close()
+
+    index = load_index(path)
+    floor = memory.default_floor()
+    full = memory.estimate(index, None, n_ctx=128).host
+    # room for about half of the experts on top of everything else
+    available = floor + full - index.expert_bytes_total // 2
+    monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", str(available))
+    llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots="auto")
+    try:
+        n_slots = llm.moe_stats()["total"]["n_slots"] // len(index.layers)
+        assert index.n_expert_used <= n_slots < index.n_expert
+        assert memory.estimate(index, plan_slots(index, n_slots), n_ctx=128).host <= available - floor
+    finally:
+        llm.close()
