@@ -21,11 +21,14 @@ struct empanel_tensor {
     uint64_t expert_size;   // bytes of one expert, in the file and in a slot
     void   * pool;          // ggml_tensor * [ne0, ne1, n_slots], set by empanel_pool_bind
     int      direct;        // slots are plain host memory: reads land in them directly
+    uint8_t * host;         // the pool's host memory (any layout), or NULL (device memory)
 };
 
 struct empanel_layer {
     int32_t  n_slots;       // 0: not paged
     int32_t  n_tensors;
+    uint64_t expert_bytes;  // one expert over all tensors
+    int32_t  lru_base;      // g-lru: entry of slot 0 in the pool's LRU list
     struct empanel_tensor tensors[EMPANEL_MAX_TENSORS];
 
     int32_t  * slot_of;     // [n_expert] slot holding the expert, or -1
@@ -114,6 +117,16 @@ struct empanel_pool {
     char notice[256];
 
     uint64_t call;          // remap calls so far: the LRU clock
+
+    // g-lru: every resident (layer, slot) in one list, least recently used first
+    uint64_t  budget_bytes;
+    uint64_t  resident_bytes;
+    int32_t   n_entries;     // slots of all layers
+    int32_t * lru_prev;      // [n_entries]
+    int32_t * lru_next;      // [n_entries]
+    int32_t * entry_layer;   // [n_entries]
+    int32_t   lru_head;      // least recent, -1 if empty
+    int32_t   lru_tail;      // most recent
 
     atomic_int failed;
     char       error[512];

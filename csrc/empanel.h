@@ -39,10 +39,14 @@ struct empanel_pool_params {
     uint32_t chunk_bytes;  // bytes per read request (default 256 KiB; rounded to 4 KiB)
     int32_t  direct_io;    // 1: O_DIRECT (default), -1: buffered reads through the page cache
     int32_t  policy;       // EMPANEL_POLICY_*
+    uint64_t budget_bytes; // EMPANEL_POLICY_GLRU: bytes of resident experts over all layers
 };
 
 #define EMPANEL_POLICY_LRU       0  // per layer: evict the least recently used expert
 #define EMPANEL_POLICY_LFU_DECAY 1  // per layer: evict the least frequently used, counts halving over time
+#define EMPANEL_POLICY_GLRU      2  // one budget for all layers: evict the least recently used expert of
+                                    // any layer; a layer's pool is its most, never-used slots take no
+                                    // memory (host pools)
 
 // counters of one layer; times in nanoseconds
 struct empanel_layer_stats {
@@ -103,6 +107,9 @@ EMPANEL_API _Bool empanel_pool_failed(void * pool);
 // the first failure's message ("" if none), and forgetting it (the failed slots stay empty)
 EMPANEL_API const char * empanel_pool_error(struct empanel_pool * pool);
 EMPANEL_API void         empanel_pool_clear_error(struct empanel_pool * pool);
+
+// bytes of experts resident in all pools
+EMPANEL_API uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool);
 
 // counters of layer il (zeros for a layer that is not paged); reset all counters
 EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out);

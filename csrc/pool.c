@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 int32_t empanel_sidecar_version(void) {
     return EMPANEL_SIDECAR_VERSION;
@@ -102,7 +104,8 @@ struct empanel_pool * empanel_pool_init(
     pool->n_layer  = n_layer;
     pool->n_expert = n_expert;
     pool->policy   = params != NULL ? params->policy : EMPANEL_POLICY_LRU;
-    if (pool->policy != EMPANEL_POLICY_LRU && pool->policy != EMPANEL_POLICY_LFU_DECAY) {
+    if (pool->policy != EMPANEL_POLICY_LRU && pool->policy != EMPANEL_POLICY_LFU_DECAY &&
+        pool->policy != EMPANEL_POLICY_GLRU) {
         format_err(err, err_size, "empanel_pool_init: unknown policy %d", pool->policy);
         pthread_mutex_destroy(&pool->lock);
         free(pool);
@@ -166,6 +169,31 @@ struct empanel_pool * empanel_pool_init(
         t->expert_size = d->expert_size;
     }
 
+    // g-lru: one list over the slots of every layer
+    pool->budget_bytes = params != NULL ? params->budget_bytes : 0;
+    pool->lru_head = pool->lru_tail = -1;
+    for (int32_t il = 0; il < n_layer; il++) {
+        struct empanel_layer * layer = &pool->layers[il];
+        layer->lru_base = pool->n_entries;
+        pool->n_entries += layer->n_slots;
+        for (int32_t i = 0; i < layer->n_tensors; i++) {
+            layer->expert_bytes += layer->tensors[i].expert_size;
+        }
+    }
+    pool->lru_prev    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
+    pool->lru_next    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
+    pool->entry_layer = malloc(sizeof(int32_t) * (pool->n_entries + 1));
+    if (!pool->lru_prev || !pool->lru_next || !pool->entry_layer) {
+        format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_pool_free(pool);
+        return NULL;
+    }
+    for (int32_t il = 0; il < n_layer; il++) {
+        for (int32_t s = 0; s < pool->layers[il].n_slots; s++) {
+            pool->entry_layer[pool->layers[il].lru_base + s] = il;
+        }
+    }
+
     const int32_t  n_threads   = params != NULL && params->n_threads   > 0 ? params->n_threads   : 8;
     const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
     if (empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {
@@ -190,8 +218,100 @@ void empanel_pool_free(struct empanel_pool * pool) {
     free(pool->jobs);
     free(pool->chunks);
     free(pool->staging);
+    free(pool->lru_prev);
+    free(pool->lru_next);
+    free(pool->entry_layer);
     pthread_mutex_destroy(&pool->lock);
     free(pool);
+}
+
+// ------------------------------------------------------------------------------------------------
+// memory of host pools: slots without an expert give their whole pages back
+
+// give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
+// also zero the bytes of the partial pages at both ends
+static void release_memory(uint8_t * ptr, uint64_t size, int zero_edges) {
+    const uint64_t page  = (uint64_t) sysconf(_SC_PAGESIZE);
+    const uint64_t begin = ((uint64_t) (uintptr_t) ptr + page - 1) / page * page;
+    const uint64_t end   = ((uint64_t) (uintptr_t) ptr + size) / page * page;
+    if (begin >= end) {
+        if (zero_edges) {
+            memset(ptr, 0, size);
+        }
+        return;
+    }
+    if (zero_edges) {
+        memset(ptr, 0, begin - (uintptr_t) ptr);
+        memset((uint8_t *) (uintptr_t) end, 0, (uintptr_t) ptr + size - end);
+    }
+#if defined(__linux__)
+    if (madvise((void *) (uintptr_t) begin, end - begin, MADV_DONTNEED) == 0) {
+        return; // private anonymous memory: zero-filled on the next touch
+    }
+#endif
+    if (zero_edges) {
+        memset((void *) (uintptr_t) begin, 0, end - begin);
+    }
+}
+
+static void release_slot(struct empanel_layer * layer, int32_t slot) {
+    for (int32_t i = 0; i < layer->n_tensors; i++) {
+        const struct empanel_tensor * t = &layer->tensors[i];
+        if (t->host != NULL) {
+            release_memory(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// g-lru list
+
+static void lru_unlink(struct empanel_pool * pool, int32_t e) {
+    const int32_t prev = pool->lru_prev[e];
+    const int32_t next = pool->lru_next[e];
+    if (prev >= 0) { pool->lru_next[prev] = next; } else { pool->lru_head = next; }
+    if (next >= 0) { pool->lru_prev[next] = prev; } else { pool->lru_tail = prev; }
+}
+
+static void lru_push_recent(struct empanel_pool * pool, int32_t e) {
+    pool->lru_prev[e] = pool->lru_tail;
+    pool->lru_next[e] = -1;
+    if (pool->lru_tail >= 0) { pool->lru_next[pool->lru_tail] = e; } else { pool->lru_head = e; }
+    pool->lru_tail = e;
+}
+
+// evict least recently used experts of any layer (none that this call uses) until `need` more
+// bytes fit in the budget; the budget yields when only this call's experts are left
+static void glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
+    int32_t e = pool->lru_head;
+    while (e >= 0 && pool->resident_bytes + need > pool->budget_bytes) {
+        const int32_t next = pool->lru_next[e];
+        struct empanel_layer * layer = &pool->layers[pool->entry_layer[e]];
+        const int32_t s = e - layer->lru_base;
+        if (layer->call_mark[s] != call) {
+            lru_unlink(pool, e);
+            layer->slot_of[layer->expert_in[s]] = -1;
+            layer->expert_in[s] = -1;
+            layer->last_use[s]  = 0; // empty: taken first by its layer
+            layer->uses[s]      = 0;
+            pool->resident_bytes -= layer->expert_bytes;
+            release_slot(layer, s);
+        }
+        e = next;
+    }
+}
+
+uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool) {
+    pthread_mutex_lock(&pool->lock);
+    uint64_t bytes = 0;
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        const struct empanel_layer * layer = &pool->layers[il];
+        for (int32_t s = 0; s < layer->n_slots; s++) {
+            bytes += layer->expert_in[s] >= 0 ? layer->expert_bytes : 0;
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return bytes;
 }
 
 int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * pool_tensor) {
@@ -208,6 +328,11 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
             }
             t->pool   = pool_tensor;
             t->direct = llama_empanel_slot_data(pool_tensor, 0) != NULL;
+            t->host   = llama_empanel_pool_host_data(pool_tensor);
+            if (t->host != NULL) {
+                // zeros, and no memory until a slot is used
+                release_memory(t->host, (uint64_t) layer->n_slots * t->expert_size, 1);
+            }
             return 0;
         }
     }
@@ -282,6 +407,10 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
                 if (layer->call_mark[s] != call) {
                     note_use(layer, s, call);
                     layer->stats.hits++;
+                    if (pool->policy == EMPANEL_POLICY_GLRU) {
+                        lru_unlink(pool, layer->lru_base + s);
+                        lru_push_recent(pool, layer->lru_base + s);
+                    }
                 }
             } else if (layer->miss_mark[e] != call) {
                 layer->miss_mark[e] = call;
@@ -305,7 +434,16 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
             return -1;
         }
         if (layer->expert_in[s] >= 0) {
+            // the layer's pool is full: its own least recent expert goes (its bytes stay counted
+            // for the one that comes)
             layer->slot_of[layer->expert_in[s]] = -1;
+            if (pool->policy == EMPANEL_POLICY_GLRU) {
+                lru_unlink(pool, layer->lru_base + s);
+            }
+        } else if (pool->policy == EMPANEL_POLICY_GLRU) {
+            // a free slot: room in the budget comes from the least recent expert of any layer
+            glru_make_room(pool, layer->expert_bytes, call);
+            pool->resident_bytes += layer->expert_bytes;
         }
         layer->expert_in[s] = -1;
         layer->uses[s]      = 0;
@@ -313,11 +451,17 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         layer->victims[i] = s;
     }
     if (n_miss > 0 && empanel_read_experts(pool, layer, layer->misses, layer->victims, n_miss) != 0) {
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            pool->resident_bytes -= (uint64_t) n_miss * layer->expert_bytes; // the victims stay empty
+        }
         return -1;
     }
     for (int32_t i = 0; i < n_miss; i++) {
         layer->expert_in[layer->victims[i]] = layer->misses[i];
         layer->slot_of[layer->misses[i]]    = layer->victims[i];
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            lru_push_recent(pool, layer->lru_base + layer->victims[i]);
+        }
     }
     layer->stats.misses += (uint64_t) n_miss;
 

@@ -22,7 +22,7 @@ class MoeReadError(RuntimeError):
     """Reading experts from the model file failed during a decode; nothing was returned."""
 
 
-POLICIES = {"lru": 0, "lfu-decay": 1}  # EMPANEL_POLICY_* in csrc/empanel.h
+POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # EMPANEL_POLICY_* in csrc/empanel.h
 
 
 class ExpertPools:
@@ -46,8 +46,6 @@ class ExpertPools:
             descs[i].offset = t.offset
             descs[i].expert_size = t.stride
             descs[i].name = names[i]
-        if policy not in POLICIES:
-            raise ValueError(f"moe_policy={policy!r}: one of {', '.join(POLICIES)}")
         if io_threads < 0 or chunk_kb < 4:
             raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
         params = ffi.new("struct empanel_pool_params *")
@@ -55,6 +53,7 @@ class ExpertPools:
         params.chunk_bytes = chunk_kb * 1024
         params.direct_io = 1 if direct_io else -1
         params.policy = POLICIES[policy]
+        params.budget_bytes = plan.budget_bytes
         self.n_slots = ffi.new("int32_t[]", plan.n_slots)
         err = ffi.new("char[]", 512)
         self.pool = self.n.sidecar.empanel_pool_init(
@@ -152,7 +151,9 @@ class Llama(llama_cpp.Llama):
             budget for all pools ("6GiB"), or "auto": every expert resident if the model fits in
             the available memory (minus a floor), else the most slots that fit. None: stock
             behaviour, every expert resident.
-        moe_policy: which expert a full pool evicts: "lru" (default) or "lfu-decay".
+        moe_policy: which expert a full pool evicts: "lru" (per layer, default), "lfu-decay"
+            (per layer), or "g-lru" (one budget for all layers, the least recent expert of any
+            layer goes; host pools take memory only for the experts they hold).
         moe_io_threads: reader threads besides the decoding thread (default 8).
         moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
             all reader threads at once.
@@ -181,7 +182,9 @@ class Llama(llama_cpp.Llama):
             super().__init__(model_path, *args, **kwargs)
             return
 
-        plan = plan_slots(index, moe_slots)
+        if moe_policy not in POLICIES:
+            raise ValueError(f"moe_policy={moe_policy!r}: one of {', '.join(POLICIES)}")
+        plan = plan_slots(index, moe_slots, moe_policy)
         for text in plan.notices:
             _notice(verbose, text)
         n_ubatch = kwargs.get("n_ubatch", 512)
@@ -190,9 +193,14 @@ class Llama(llama_cpp.Llama):
                              f"needs up to T x {plan.n_expert_used} distinct experts per layer, and a "
                              f"pool holds {plan.min_slots}")
             kwargs["n_ubatch"] = plan.max_ubatch
-        _notice(verbose, f"{plan.min_slots} of {plan.n_expert} expert slots in each of "
-                         f"{len(index.layers)} MoE layers, {plan.pool_bytes / 2**20:.1f} MiB of pools "
-                         f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
+        if plan.budget_bytes:
+            _notice(verbose, f"g-lru: {plan.budget_bytes / 2**20:.1f} MiB of experts shared by "
+                             f"{len(index.layers)} MoE layers, up to {plan.min_slots} of {plan.n_expert} "
+                             f"per layer ({index.expert_bytes_total / 2**20:.1f} MiB of experts in all)")
+        else:
+            _notice(verbose, f"{plan.min_slots} of {plan.n_expert} expert slots in each of "
+                             f"{len(index.layers)} MoE layers, {plan.pool_bytes / 2**20:.1f} MiB of pools "
+                             f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
 
         experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
                               chunk_kb=moe_chunk_kb, direct_io=moe_direct_io)

@@ -4,6 +4,10 @@
     moe_slots="25%"     a quarter of each layer's experts (rounded up)
     moe_slots="6GiB"    as many slots per layer as fit in 6 GiB of pools in all (also MiB, GB, ...)
 
+With the g-lru policy the same figure sets one budget shared by all layers (slots x bytes of one
+expert of every layer), and each layer's pool may hold up to GLRU_HEADROOM times its even share:
+layers that need more experts take them from layers that need fewer.
+
 Pure Python: works on an index (index.py), knows nothing of llama.cpp.
 """
 
@@ -20,6 +24,9 @@ _UNITS = {
 }
 
 
+GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share
+
+
 class SlotsError(ValueError):
     """moe_slots cannot be satisfied for this model."""
 
@@ -29,8 +36,10 @@ class SlotPlan:
     n_slots: list            # [n_layer] slots per layer; 0 for layers without routed experts
     n_expert: int
     n_expert_used: int
-    pool_bytes: int          # bytes of all pools together
+    pool_bytes: int          # bytes of experts the pools hold at most (the memory they take)
     notices: list = field(default_factory=list)  # what was adjusted, for verbose output
+    budget_bytes: int = 0    # g-lru: the shared budget (= pool_bytes); 0 for per-layer policies
+    capacity_bytes: int = 0  # bytes of all pools' slots (above pool_bytes for g-lru)
 
     @property
     def min_slots(self):
@@ -51,8 +60,8 @@ def parse_size(text):
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def plan_slots(index, moe_slots):
-    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB')."""
+def plan_slots(index, moe_slots, policy="lru"):
+    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`."""
     layers = index.layers
     if not layers:
         raise SlotsError(f"{index.path}: no MoE layer with routed experts; moe_slots does not apply")
@@ -71,12 +80,15 @@ def plan_slots(index, moe_slots):
         wanted = n_expert
 
     n_slots = [0] * index.n_layer
-    pool_bytes = 0
+    pool_bytes = sum(wanted * layer.expert_bytes for layer in layers)
+    capacity = wanted
+    if policy == "g-lru":
+        capacity = min(n_expert, max(GLRU_HEADROOM * wanted, wanted + k))
     for layer in layers:
-        n_slots[layer.layer] = wanted
-        pool_bytes += wanted * layer.expert_bytes
-    return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k,
-                    pool_bytes=pool_bytes, notices=notices)
+        n_slots[layer.layer] = capacity
+    return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k, pool_bytes=pool_bytes,
+                    notices=notices, budget_bytes=pool_bytes if policy == "g-lru" else 0,
+                    capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers))
 
 
 def _wanted_slots(index, moe_slots):

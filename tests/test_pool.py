@@ -152,3 +152,86 @@ def test_bad_options_are_refused(model_path):
         open_llm(model_path, moe_policy="fifo")
     with pytest.raises(ValueError, match="moe_chunk_kb"):
         open_llm(model_path, moe_chunk_kb=1)
+
+
+def test_glru_shares_one_budget_across_layers(model_path):
+    """moe_slots=4 with g-lru: a budget of 4 experts x 3 layers, up to 8 in one layer."""
+    llm = open_llm(model_path, moe_slots=4, moe_policy="g-lru")
+    try:
+        d = Driver(llm)
+        index = load_index(model_path)
+        expert = index.layer(0).expert_bytes
+        sidecar = llm._experts.n.sidecar
+        assert d.layer_stats(0)["n_slots"] == 8
+        d.remap(0, [[0, 1, 2, 3]])
+        d.remap(0, [[4, 5, 6, 7]])                  # layer 0 above its even share: 8 resident
+        d.remap(1, [[0, 1, 2, 3]])                  # 12 experts: the whole budget
+        assert sidecar.empanel_pool_resident_bytes(d.pool) == 12 * expert
+        d.remap(1, [[8, 9, 10, 11]])                # room from the least recent: layer 0's 0..3
+        assert (d.layer_stats(0)["n_resident"], d.layer_stats(1)["n_resident"]) == (4, 8)
+        assert sidecar.empanel_pool_resident_bytes(d.pool) == 12 * expert
+        assert d.remap(0, [[4, 5, 6, 7]]) and d.layer_stats(0)["hits"] == 4  # still there
+        d.remap(0, [[0, 1, 2, 3]])                  # back: layer 1's 0..3 go now
+        assert (d.layer_stats(0)["n_resident"], d.layer_stats(1)["n_resident"]) == (8, 4)
+        for e, s in zip((0, 1, 2, 3), d.remap(0, [[0, 1, 2, 3]])[0]):
+            assert slot_contents(llm, index, 0, s) == file_contents(index, 0, e)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-q4_0", "deepseek2", "qwen3moe-mixed"])
+def test_glru_bit_identical(tmp_path_factory, name):
+    import numpy as np
+
+    path = fixtures.write_fixture(name, tmp_path_factory.mktemp("glru"))
+    spec = fixtures.FIXTURES[name]
+    logits = {}
+    for policy, slots in (("g-lru", spec.n_expert_used), (None, None)):
+        n_ubatch = 1
+        llm = Llama(str(path), n_ctx=128, n_ubatch=n_ubatch, logits_all=True, verbose=False,
+                    moe_slots=slots, **({"moe_policy": policy} if policy else {}))
+        try:
+            llm.eval(llm.tokenize(b"global budget, same numbers"))
+            for _ in range(16):
+                llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            logits[policy] = np.array(llm.scores[: llm.n_tokens], copy=True)
+        finally:
+            llm.close()
+    assert np.array_equal(logits["g-lru"], logits[None])
+
+
+RSS_SCRIPT = """
+import sys
+from empanel_gguf import Llama, fixtures
+path = fixtures.write_fixture("qwen3moe-rss", sys.argv[1])
+llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots=int(sys.argv[2]), moe_policy=sys.argv[3])
+for t in range(60):
+    llm.eval([(7 * t + 3) % 250 + 1])
+rss = [l for l in open("/proc/self/status") if l.startswith("RssAnon")][0].split()[1]
+print("RSSANON", int(rss) * 1024, llm._experts.n.sidecar.empanel_pool_resident_bytes(llm._experts.pool))
+"""
+
+
+def test_glru_pools_take_only_the_budget(tmp_path):
+    """Host pools hold memory only where an expert is: g-lru with a budget of 64 experts per
+    layer (pools of 128) takes about the memory of per-layer LRU pools of 64, not 128."""
+    import os
+    import subprocess
+    import sys
+
+    index = load_index(fixtures.write_fixture("qwen3moe-rss", tmp_path))
+    expert = index.layers[0].expert_bytes
+    out = {}
+    for slots, policy in ((64, "g-lru"), (128, "lru")):
+        proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), str(slots), policy],
+                              capture_output=True, text=True, timeout=300,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        line = [l for l in proc.stdout.splitlines() if l.startswith("RSSANON")]
+        assert line, proc.stderr[-2000:]
+        out[policy] = [int(x) for x in line[0].split()[1:]]
+    rss_glru, resident_glru = out["g-lru"]
+    rss_lru, resident_lru = out["lru"]
+    assert resident_glru <= 64 * 2 * expert < resident_lru
+    # the 64 x 2 experts g-lru does not hold are memory it does not take (pages of partly used
+    # slots aside)
+    assert rss_lru - rss_glru >= 0.7 * (resident_lru - resident_glru), (rss_lru, rss_glru)
