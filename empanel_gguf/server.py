@@ -59,6 +59,10 @@ class EmpanelModelSettings(ModelSettings):
         description="Expert slots per MoE layer: a count (32), a share of the experts (25%), a "
                     "budget for all pools (6GiB), auto (pools only if the experts do not fit in "
                     "memory) or none. Unset: auto.")
+    moe_policy: str = Field(
+        default="lru",
+        description="Which expert a full pool evicts: lru (per layer), lfu-decay (per layer) or "
+                    "g-lru (one budget for all layers).")
     mem_floor: Optional[str] = Field(
         default=None,
         description="Memory to keep free (2GiB, 5%, 0 = no guard): a load whose estimate leaves "
@@ -122,10 +126,12 @@ class _LlamaCppWithSlots:
         return getattr(llama_cpp, name)
 
 
-def _llama_with_slots(moe_slots):
+def _llama_with_slots(moe_slots, moe_policy="lru"):
     class Llama(EmpanelLlama):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("moe_slots", moe_slots)
+            if moe_slots is not None:
+                kwargs.setdefault("moe_policy", moe_policy)
             super().__init__(*args, **kwargs)
 
     Llama.__name__ = Llama.__qualname__ = "Llama"
@@ -183,7 +189,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
                     "floor": memory.parse_floor(getattr(settings, "mem_floor", None))}
 
         saved = _model.llama_cpp
-        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots))
+        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots, getattr(settings, "moe_policy", "lru")))
         try:
             llm = _model.LlamaProxy.load_llama_from_model_settings(settings)
         finally:

@@ -121,6 +121,16 @@ def setup_arg_parser():
             help="expert slots per MoE layer: a count, a share of the experts, a budget for all "
                  "pools (6GiB), auto (slot pools only if the experts do not fit in memory), or "
                  "none (every expert resident)")
+    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default="lru",
+            choices=("lru", "lfu-decay", "g-lru"),
+            help="which expert a full pool evicts: lru and lfu-decay per layer, g-lru with one "
+                 "budget for all layers")
+    env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
+            help="expert reader threads")
+    env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,
+            help="KiB per expert read request")
+    env_arg(parser, "--moe-direct-io", env="LLAMA_ARG_MOE_DIRECT_IO", type=_bool, default=True,
+            metavar="on|off", help="read experts with O_DIRECT")
     env_arg(parser, "-fa", "--flash-attn", env="LLAMA_ARG_FLASH_ATTN", type=_bool, default=False,
             metavar="on|off", help="flash attention")
     env_arg(parser, "--no-mmap", env="LLAMA_ARG_NO_MMAP", action="store_true", default=False,
@@ -409,6 +419,9 @@ def main(argv=None):
                   verbose=args.verbose)
     try:
         with load_progress(name):
+            if moe_slots is not None:
+                kwargs.update(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
+                              moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io)
             llm = Llama(model, moe_slots=moe_slots, **kwargs)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"empanel-gguf run: could not load {model}: {e}", file=sys.stderr)
