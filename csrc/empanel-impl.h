@@ -26,6 +26,7 @@ struct empanel_tensor {
 
 struct empanel_layer {
     int32_t  n_slots;       // 0: not paged
+    int      observe;       // not paged, but its routing is traced
     int32_t  n_tensors;
     uint64_t expert_bytes;  // one expert over all tensors
     int32_t  lru_base;      // g-lru: entry of slot 0 in the pool's LRU list
@@ -127,6 +128,11 @@ struct empanel_pool {
     int32_t * entry_layer;   // [n_entries]
     int32_t   lru_head;      // least recent, -1 if empty
     int32_t   lru_tail;      // most recent
+
+    int       tracing;
+    int32_t * trace;         // see empanel_trace_enable
+    uint64_t  trace_len;
+    uint64_t  trace_cap;
 
     atomic_int failed;
     char       error[512];

@@ -66,7 +66,8 @@ struct empanel_layer_stats {
 
 struct empanel_pool;
 
-// the pools of one model: n_layer entries of n_slots (0 = layer not paged), n_expert experts per
+// the pools of one model: n_layer entries of n_slots (0 = layer not paged, < 0 = not paged but
+// observed: remap returns the expert ids and the trace records them), n_expert experts per
 // layer, the expert tensors of all paged layers. Opens the files and starts the reader threads;
 // NULL on failure, with the reason in err.
 EMPANEL_API struct empanel_pool * empanel_pool_init(
@@ -107,6 +108,13 @@ EMPANEL_API _Bool empanel_pool_failed(void * pool);
 // the first failure's message ("" if none), and forgetting it (the failed slots stay empty)
 EMPANEL_API const char * empanel_pool_error(struct empanel_pool * pool);
 EMPANEL_API void         empanel_pool_clear_error(struct empanel_pool * pool);
+
+// routing trace: while on, every remap call (paged or observed layer) appends
+// [layer, n_tokens, n_used, expert ids (n_tokens x n_used)] to the trace, as int32
+EMPANEL_API void     empanel_trace_enable(struct empanel_pool * pool, int32_t on);
+// copy up to max int32 of the trace into out and drop them from it; returns how many
+EMPANEL_API uint64_t empanel_trace_take(struct empanel_pool * pool, int32_t * out, uint64_t max);
+EMPANEL_API uint64_t empanel_trace_size(struct empanel_pool * pool);
 
 // bytes of experts resident in all pools
 EMPANEL_API uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool);

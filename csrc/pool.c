@@ -125,6 +125,7 @@ struct empanel_pool * empanel_pool_init(
     }
 
     for (int32_t il = 0; il < n_layer; il++) {
+        pool->layers[il].observe = n_slots[il] < 0;
         if (n_slots[il] <= 0) {
             continue;
         }
@@ -218,6 +219,7 @@ void empanel_pool_free(struct empanel_pool * pool) {
     free(pool->jobs);
     free(pool->chunks);
     free(pool->staging);
+    free(pool->trace);
     free(pool->lru_prev);
     free(pool->lru_next);
     free(pool->entry_layer);
@@ -301,6 +303,31 @@ static void glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t c
     }
 }
 
+void empanel_trace_enable(struct empanel_pool * pool, int32_t on) {
+    pthread_mutex_lock(&pool->lock);
+    pool->tracing = on != 0;
+    pthread_mutex_unlock(&pool->lock);
+}
+
+uint64_t empanel_trace_size(struct empanel_pool * pool) {
+    pthread_mutex_lock(&pool->lock);
+    const uint64_t n = pool->trace_len;
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
+uint64_t empanel_trace_take(struct empanel_pool * pool, int32_t * out, uint64_t max) {
+    pthread_mutex_lock(&pool->lock);
+    const uint64_t n = pool->trace_len < max ? pool->trace_len : max;
+    if (n > 0) {
+        memcpy(out, pool->trace, sizeof(int32_t) * n);
+        memmove(pool->trace, pool->trace + n, sizeof(int32_t) * (pool->trace_len - n));
+        pool->trace_len -= n;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return n;
+}
+
 uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool) {
     pthread_mutex_lock(&pool->lock);
     uint64_t bytes = 0;
@@ -380,17 +407,56 @@ static void decay_uses(struct empanel_layer * layer) {
     }
 }
 
+static int trace_call(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
+                      int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
+    const uint64_t need = pool->trace_len + 3 + (uint64_t) n_tokens * n_used;
+    if (need > pool->trace_cap) {
+        uint64_t cap = pool->trace_cap ? pool->trace_cap : 1 << 16;
+        while (cap < need) {
+            cap *= 2;
+        }
+        int32_t * grown = realloc(pool->trace, sizeof(int32_t) * cap);
+        if (grown == NULL) {
+            empanel_set_error(pool, "trace: out of memory for %llu entries", (unsigned long long) cap);
+            return -1;
+        }
+        pool->trace     = grown;
+        pool->trace_cap = cap;
+    }
+    int32_t * out = pool->trace + pool->trace_len;
+    *out++ = il;
+    *out++ = n_tokens;
+    *out++ = n_used;
+    for (int32_t t = 0; t < n_tokens; t++) {
+        memcpy(out, expert_ids + (int64_t) t * ids_row_stride, sizeof(int32_t) * n_used);
+        out += n_used;
+    }
+    pool->trace_len = need;
+    return 0;
+}
+
 static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
                             int64_t ids_row_stride, int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     if (atomic_load(&pool->failed)) {
         return -1;
     }
-    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots == 0) {
+    if (il < 0 || il >= pool->n_layer || (pool->layers[il].n_slots == 0 && !pool->layers[il].observe)) {
         empanel_set_error(pool, "remap: layer %d has no slot pool", il);
         return -1;
     }
     struct empanel_layer * layer = &pool->layers[il];
     const uint64_t call = ++pool->call;
+    if (pool->tracing && trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
+        return -1;
+    }
+    if (layer->observe) {
+        for (int32_t t = 0; t < n_tokens; t++) {
+            memcpy(slot_ids + (int64_t) t * n_used, expert_ids + (int64_t) t * ids_row_stride, sizeof(int32_t) * n_used);
+        }
+        layer->stats.n_remaps++;
+        layer->stats.n_ids += (uint64_t) n_tokens * (uint64_t) n_used;
+        return 0;
+    }
 
     // hits keep their slots; distinct misses are collected in order of first use
     int32_t n_miss = 0;

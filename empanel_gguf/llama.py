@@ -28,7 +28,8 @@ POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # EMPANEL_POLICY_* in csrc/em
 class ExpertPools:
     """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
 
-    def __init__(self, index, plan, policy="lru", io_threads=8, chunk_kb=256, direct_io=True):
+    def __init__(self, index, plan, policy="lru", io_threads=8, chunk_kb=256, direct_io=True,
+                 trace=False):
         self.index = index
         self.plan = plan
         self.n = native()
@@ -37,7 +38,11 @@ class ExpertPools:
 
         paths = [ffi.new("char[]", str(shard.path).encode()) for shard in index.shards]
         path_array = ffi.new("const char *[]", paths)
-        tensors = index.expert_tensors()
+        n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
+        if trace:  # layers without a pool are observed: their routing is traced too
+            n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
+        paged = [t for t in index.expert_tensors() if n_slots[t.layer] > 0]
+        tensors = paged
         names = [ffi.new("char[]", t.name.encode()) for t in tensors]
         descs = ffi.new("struct empanel_tensor_desc[]", len(tensors))
         for i, t in enumerate(tensors):
@@ -53,8 +58,9 @@ class ExpertPools:
         params.chunk_bytes = chunk_kb * 1024
         params.direct_io = 1 if direct_io else -1
         params.policy = POLICIES[policy]
-        params.budget_bytes = plan.budget_bytes
-        self.n_slots = ffi.new("int32_t[]", plan.n_slots)
+        params.budget_bytes = plan.budget_bytes if plan is not None else 0
+        self.n_slots = ffi.new("int32_t[]", n_slots)
+        self.paged = paged
         err = ffi.new("char[]", 512)
         self.pool = self.n.sidecar.empanel_pool_init(
             params, path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
@@ -62,6 +68,8 @@ class ExpertPools:
         if self.pool == ffi.NULL:
             raise _native.NativeLibraryError(f"empanel: {ffi.string(err).decode()}")
         self._keep += [paths, path_array, names, descs]
+        if trace:
+            self.n.sidecar.empanel_trace_enable(self.pool, 1)
 
     def set_plan(self):
         """Hand the plan to libllama for the load that follows on this thread."""
@@ -75,7 +83,7 @@ class ExpertPools:
         """Point the sidecar at the pool tensors of the loaded model; stop the graph on failure."""
         model_p = self.n.ptr(model)
         n_pools = self.n.llama.llama_empanel_n_pools(model_p)
-        tensors = self.index.expert_tensors()
+        tensors = self.paged
         if n_pools != len(tensors):
             raise _native.NativeLibraryError(
                 f"empanel: llama.cpp made {n_pools} slot pools for the {len(tensors)} routed-expert "
@@ -106,6 +114,8 @@ class ExpertPools:
         total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
                                "n_reads", "read_s", "write_s", "remap_s", "n_slots", "n_resident"), 0)
         for il in self.index.moe_layers:
+            if self.n_slots[il] <= 0:
+                continue  # observed only
             self.n.sidecar.empanel_stats_get(self.pool, il, out)
             row = {
                 "n_remaps": out.n_remaps, "n_ids": out.n_ids, "hits": out.hits,
@@ -121,6 +131,16 @@ class ExpertPools:
         total["hit_rate"] = _rate(total["hits"], total["misses"])
         total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
         return {"layers": layers, "total": total}
+
+    def take_trace(self):
+        """The routing recorded since the last call: int32 [layer, n_tokens, n_used, ids...]
+        per remap call (see empanel_trace_enable)."""
+        import numpy as np
+
+        n = self.n.sidecar.empanel_trace_size(self.pool)
+        out = np.empty(n, dtype=np.int32)
+        got = self.n.sidecar.empanel_trace_take(self.pool, self.n.ffi.cast("int32_t *", out.ctypes.data), n)
+        return out[:got]
 
     def reset_stats(self):
         self.n.sidecar.empanel_stats_reset(self.pool)
@@ -159,29 +179,50 @@ class Llama(llama_cpp.Llama):
             all reader threads at once.
         moe_direct_io: read experts with O_DIRECT, bypassing the page cache (default True; falls
             back to buffered reads with a notice where the file system refuses it).
+        moe_trace: record every token's routed experts in every MoE layer (moe_take_trace()),
+            with or without slot pools; outputs are unchanged.
         **kwargs: passed to llama_cpp.Llama unchanged. n_ubatch is capped so that a micro-batch
             never needs more distinct experts than a pool holds.
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy="lru", moe_io_threads=8,
-                 moe_chunk_kb=256, moe_direct_io=True, **kwargs):
+                 moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, **kwargs):
         self._experts = None
-        if moe_slots is None:
-            super().__init__(model_path, *args, **kwargs)
-            return
         verbose = kwargs.get("verbose", True)
-        index = load_index(model_path)
+        index = plan = None
+        if moe_slots is not None or moe_trace:
+            index = load_index(model_path)
         if moe_slots == "auto":
             moe_slots = _auto_slots(index, kwargs, verbose)
-            if moe_slots is None:
-                super().__init__(model_path, *args, **kwargs)
-                return
-        if not index.is_moe:
+        if moe_slots is not None and not index.is_moe:
             _notice(verbose, f"{model_path}: no routed experts ({index.architecture}); "
                              "moe_slots ignored, loading as usual")
+            moe_slots = None
+        if moe_slots is not None:
+            plan = self._plan(index, moe_slots, moe_policy, kwargs, verbose)
+        if plan is None and not (moe_trace and index.is_moe):
             super().__init__(model_path, *args, **kwargs)
             return
 
+        experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
+                              chunk_kb=moe_chunk_kb, direct_io=moe_direct_io, trace=moe_trace)
+        if experts.notice():
+            _notice(verbose, experts.notice())
+        experts.set_plan()
+        try:
+            super().__init__(model_path, *args, **kwargs)
+            experts.bind(self._model.model, self._ctx.ctx)
+        except BaseException:
+            experts.clear_plan()
+            experts.free()
+            raise
+        experts.clear_plan()
+        self._experts = experts
+        self._wrap_decode()
+
+    @staticmethod
+    def _plan(index, moe_slots, moe_policy, kwargs, verbose):
+        """Slots per layer; caps kwargs["n_ubatch"] so that a micro-batch fits the pools."""
         if moe_policy not in POLICIES:
             raise ValueError(f"moe_policy={moe_policy!r}: one of {', '.join(POLICIES)}")
         plan = plan_slots(index, moe_slots, moe_policy)
@@ -201,22 +242,14 @@ class Llama(llama_cpp.Llama):
             _notice(verbose, f"{plan.min_slots} of {plan.n_expert} expert slots in each of "
                              f"{len(index.layers)} MoE layers, {plan.pool_bytes / 2**20:.1f} MiB of pools "
                              f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
+        return plan
 
-        experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
-                              chunk_kb=moe_chunk_kb, direct_io=moe_direct_io)
-        if experts.notice():
-            _notice(verbose, experts.notice())
-        experts.set_plan()
-        try:
-            super().__init__(model_path, *args, **kwargs)
-            experts.bind(self._model.model, self._ctx.ctx)
-        except BaseException:
-            experts.clear_plan()
-            experts.free()
-            raise
-        experts.clear_plan()
-        self._experts = experts
-        self._wrap_decode()
+    def moe_take_trace(self):
+        """Routing recorded since the last call (moe_trace=True): int32 [layer, n_tokens, n_used,
+        expert ids...] per micro-batch and MoE layer; see empanel_gguf.trace."""
+        if self._experts is None:
+            raise ValueError("no routing trace: load with moe_trace=True (a MoE model)")
+        return self._experts.take_trace()
 
     def _wrap_decode(self):
         """Make a failed expert read surface as MoeReadError from every decode path."""
