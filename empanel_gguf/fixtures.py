@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path

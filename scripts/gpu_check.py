@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from empanel_gguf import Llama, fixtures  # noqa: E402
+from empanel_gguf.exactness import greedy_logits  # noqa: E402
 
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 DEFAULT_FIXTURES = ("qwen3moe-f16", "qwen3moe-q4_0", "qwen3moe-q4_k", "qwen2moe", "deepseek2",
@@ -35,13 +36,7 @@ def run(path, moe_slots, n_ubatch, n_gpu_layers, n_greedy):
     llm = Llama(str(path), n_ctx=256, n_batch=64, n_ubatch=n_ubatch, n_gpu_layers=n_gpu_layers,
                 logits_all=True, seed=0, verbose=False, moe_slots=moe_slots)
     try:
-        llm.eval(llm.tokenize(PROMPT))
-        tokens = []
-        for _ in range(n_greedy):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            tokens.append(token)
-            llm.eval([token])
-        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+        logits, tokens = greedy_logits(llm, PROMPT, n_greedy)
         return logits, tokens, llm.moe_stats(), llm.context_params.n_ubatch
     finally:
         llm.close()

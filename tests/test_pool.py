@@ -2,9 +2,11 @@
 with chosen expert ids on the real pools of a loaded model (F32 experts: slots hold the file's
 bytes as they are, so a slot can be compared with the file)."""
 
+import numpy as np
 import pytest
 
 from empanel_gguf import Llama, fixtures
+from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
 
 NAME = "qwen3moe-f32"  # 16 experts, top-4, experts in plain CPU memory
@@ -181,8 +183,6 @@ def test_glru_shares_one_budget_across_layers(model_path):
 
 @pytest.mark.parametrize("name", ["qwen3moe-q4_0", "deepseek2", "qwen3moe-mixed"])
 def test_glru_bit_identical(tmp_path_factory, name):
-    import numpy as np
-
     path = fixtures.write_fixture(name, tmp_path_factory.mktemp("glru"))
     spec = fixtures.FIXTURES[name]
     logits = {}
@@ -191,10 +191,7 @@ def test_glru_bit_identical(tmp_path_factory, name):
         llm = Llama(str(path), n_ctx=128, n_ubatch=n_ubatch, logits_all=True, verbose=False,
                     moe_slots=slots, **({"moe_policy": policy} if policy else {}))
         try:
-            llm.eval(llm.tokenize(b"global budget, same numbers"))
-            for _ in range(16):
-                llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-            logits[policy] = np.array(llm.scores[: llm.n_tokens], copy=True)
+            logits[policy] = greedy_logits(llm, b"global budget, same numbers", 16)[0]
         finally:
             llm.close()
     assert np.array_equal(logits["g-lru"], logits[None])
@@ -203,6 +200,7 @@ def test_glru_bit_identical(tmp_path_factory, name):
 RSS_SCRIPT = """
 import sys
 from empanel_gguf import Llama, fixtures
+from empanel_gguf.exactness import greedy_logits
 path = fixtures.write_fixture("qwen3moe-rss", sys.argv[1])
 llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots=int(sys.argv[2]), moe_policy=sys.argv[3])
 for t in range(60):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from empanel_gguf import Llama, fixtures
+from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
 from empanel_gguf.sizing import plan_slots
 
@@ -28,13 +29,7 @@ def run(path, prompt, moe_slots, n_ubatch, n_greedy=N_GREEDY):
                 verbose=False, moe_slots=moe_slots)
     try:
         assert llm.n_batch == 64 and llm.context_params.n_ubatch <= n_ubatch
-        llm.eval(llm.tokenize(prompt))
-        tokens = []
-        for _ in range(n_greedy):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            tokens.append(token)
-            llm.eval([token])
-        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+        logits, tokens = greedy_logits(llm, prompt, n_greedy)
         return logits, tokens, llm.moe_stats(), llm.context_params.n_ubatch
     finally:
         llm.close()

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from empanel_gguf.exactness import greedy_logits
 from empanel_gguf import Llama, MoeReadError, fixtures
 from empanel_gguf._native import native
 from empanel_gguf.index import ModelError, load_index
@@ -45,15 +46,7 @@ def model(fixture_dir, name):
     return fixtures.write_fixture(name, fixture_dir)
 
 
-def evaluate(llm, prompt, n_greedy=0):
-    """Eval prompt, then n_greedy greedy tokens one at a time: (logits of all tokens, tokens)."""
-    llm.eval(llm.tokenize(prompt))
-    tokens = []
-    for _ in range(n_greedy):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        tokens.append(token)
-        llm.eval([token])
-    return np.array(llm.scores[: llm.n_tokens], copy=True), tokens
+evaluate = greedy_logits
 
 
 def fresh(path, prompt, moe_slots, n_ubatch, n_greedy=0):
