@@ -8,6 +8,8 @@ COMMANDS = {
     "serve": "OpenAI-compatible server (llama_cpp.server) with expert slot pools",
     "exec": "run an unchanged llama-cpp-python program with empanel-gguf",
     "inspect": "routed experts of a GGUF: layers, types, offsets, sizes",
+    "trace": "record every token's routed experts of a run into a trace file",
+    "replay": "replay a routing trace through cache policies at several sizes",
 }
 
 

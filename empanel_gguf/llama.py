@@ -188,12 +188,14 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy="lru", moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, **kwargs):
         self._experts = None
+        self.moe_slots = moe_slots    # as asked ("auto" resolved below)
+        self.moe_policy = moe_policy
         verbose = kwargs.get("verbose", True)
         index = plan = None
         if moe_slots is not None or moe_trace:
             index = load_index(model_path)
         if moe_slots == "auto":
-            moe_slots = _auto_slots(index, kwargs, verbose)
+            moe_slots = self.moe_slots = _auto_slots(index, kwargs, verbose)
         if moe_slots is not None and not index.is_moe:
             _notice(verbose, f"{model_path}: no routed experts ({index.architecture}); "
                              "moe_slots ignored, loading as usual")

@@ -1,0 +1,307 @@
+"""Cache policies (empanel_gguf.policies) and the replay driver on small hand-computed traces.
+
+Pure Python, no model: every expected count below is worked out by hand in the comments. A call
+is one micro-batch of one layer; its distinct experts count once each (hit if resident, else a
+miss that is loaded); the experts of the current call are never evicted.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from empanel_gguf.policies import (ARC, GLRU, LFU, LRU, SLRU, Belady, CapacityError, LFUDecay,
+                                   make_policy)
+from empanel_gguf.replay import build_calls, replay
+from empanel_gguf.trace import Trace
+
+
+def run(policy, calls, layer=0):
+    """calls: expert lists of one layer (or (layer, experts) pairs); returns (hits, misses)."""
+    calls = [c if isinstance(c, tuple) else (layer, c) for c in calls]
+    if policy.offline:
+        policy.prepare(calls)
+    hits = misses = 0
+    for lay, experts in calls:
+        h, m = policy.access(lay, experts)
+        hits, misses = hits + h, misses + m
+    return hits, misses
+
+
+def resident(policy, layer=0):
+    return {e for e in policy.pools[layer].expert_in if e >= 0}
+
+
+# ------------------------------------------------------------------------------------------------
+# LRU (the engine's)
+
+
+def test_lru_classic():
+    # 3 slots: 0 1 2 miss (fill); 0 hit (order 1 2 0); 3 miss evicts 1 (order 2 0 3);
+    # 1 miss evicts 2 (order 0 3 1); 0 hit -> 2 hits, 5 misses
+    p = LRU(3)
+    assert run(p, [[0], [1], [2], [0], [3], [1], [0]]) == (2, 5)
+    assert resident(p) == {0, 1, 3}
+
+
+def test_lru_ties_go_to_the_lowest_slot_like_the_engine():
+    # 2 slots. [0] -> slot 0, [1] -> slot 1, [0] hit (slot 0 now more recent than slot 1).
+    # [2, 3]: both miss; 2 takes the LRU slot 1, 3 takes slot 0: both last used by this call.
+    # [4]: a tie between slot 0 (expert 3) and slot 1 (expert 2): pool.c takes the lowest slot,
+    # so 3 goes (evicting in load order would drop 2 instead). [2] is then a hit.
+    # hits: [0], [2] = 2; misses: 0 1 2 3 4 = 5
+    p = LRU(2)
+    assert run(p, [[0], [1], [0], [2, 3], [4], [2]]) == (2, 5)
+    assert p.pools[0].expert_in == [4, 2]
+
+
+def test_distinct_experts_count_once_per_call():
+    # one call routing tokens to 0,1,0,1 (as T=2 tokens x top-2): 2 distinct misses, no hits;
+    # then [1, 1]: one hit
+    p = LRU(4)
+    assert p.access(0, [0, 1, 0, 1]) == (0, 2)
+    assert p.access(0, [1, 1]) == (1, 0)
+
+
+def test_layers_are_independent_per_layer():
+    # layer 0 and layer 1 each have 1 slot: [0]@0, [0]@1, [0]@0 hit, [0]@1 hit
+    p = LRU(1)
+    assert run(p, [(0, [0]), (1, [0]), (0, [0]), (1, [0])]) == (2, 2)
+
+
+def test_a_call_needing_more_than_the_slots_is_refused():
+    for name in ("lru", "lfu", "lfu-decay", "slru", "arc", "belady"):
+        p = make_policy(name, 2)
+        with pytest.raises(CapacityError):
+            run(p, [[0, 1, 2]])
+
+
+# ------------------------------------------------------------------------------------------------
+# LFU and LFU with decay (the engine's)
+
+
+LFU_CALLS = [[0], [0], [1], [1], [2], [0], [1]]
+
+
+def test_lfu_decay_by_hand():
+    # 2 slots; counts halve after every 2nd call of the layer (n_remaps % n_slots == 0).
+    # c1 [0] miss: s0=0 uses 1                          (1 call)
+    # c2 [0] hit : uses 2; decay -> s0 1, s1 0          (2 calls)
+    # c3 [1] miss: s1 empty -> s1=1 uses 1              (3)
+    # c4 [1] hit : s1 uses 2; decay -> s0 0, s1 1       (4)
+    # c5 [2] miss: fewest uses s0 (expert 0) goes; s0=2 uses 1
+    # c6 [0] miss: s0 1 (last c5) vs s1 1 (last c4): tie -> least recent s1 (expert 1) goes;
+    #             s1=0 uses 1; decay -> both 0            (6)
+    # c7 [1] miss: both 0 uses -> least recent s0 (expert 2) goes
+    # hits c2 c4 = 2, misses 5; expert 0 (s1) and 1 (s0) resident
+    p = LFUDecay(2)
+    assert run(p, LFU_CALLS) == (2, 5)
+    assert p.pools[0].expert_in == [1, 0]
+
+
+def test_lfu_without_decay_by_hand():
+    # the same calls, counts never halve:
+    # c1 miss s0=0 (1); c2 hit (2); c3 miss s1=1 (1); c4 hit (2)
+    # c5 [2]: s0 2 (last c2) vs s1 2 (last c4): tie -> s0 (expert 0) goes; s0=2 (1)
+    # c6 [0]: s0 1 < s1 2 -> expert 2 goes; s0=0 (1)
+    # c7 [1]: hit -> 3 hits, 4 misses
+    assert run(LFU(2), LFU_CALLS) == (3, 4)
+
+
+def test_lru_on_the_lfu_calls():
+    # c1 m, c2 h, c3 m, c4 h, c5 [2] evicts 0 (last c2), c6 [0] evicts 1 (last c4),
+    # c7 [1] evicts 2 (last c5) -> 2 hits, 5 misses
+    assert run(LRU(2), LFU_CALLS) == (2, 5)
+
+
+# ------------------------------------------------------------------------------------------------
+# g-lru (the engine's): one budget for all layers
+
+
+def test_glru_shares_its_budget_across_layers():
+    # layers A=0, B=1, 100 bytes per expert each; N=2 slots per layer -> budget 2 x 200 = 400
+    # bytes (4 experts in all), a layer's pool holds min(8, max(2x2, 2+1)) = 4 (top-1).
+    # A[0] A[1] A[2] A[3]: 4 misses, 400 bytes: A holds 4 experts, B none
+    # B[0]: miss; B has empty slots, the budget is full -> the least recent of any layer, A0, goes
+    # A[0]: miss; A's slot of 0 is empty again -> budget: A1 (now the least recent) goes
+    # A[2]: hit -> 1 hit, 6 misses. Per-layer LRU with 2 slots each: no hits at all.
+    calls = [(0, [0]), (0, [1]), (0, [2]), (0, [3]), (1, [0]), (0, [0]), (0, [2])]
+    p = GLRU(2, {0: 100, 1: 100}, n_expert=8, n_expert_used=1)
+    assert p.capacity() == 4 and p.budget == 400
+    assert run(p, calls) == (1, 6)
+    assert resident(p, 0) == {0, 2, 3} and resident(p, 1) == {0} and p.resident == 400
+    assert run(LRU(2), calls) == (0, 7)
+
+
+def test_glru_full_layer_evicts_its_own_lru_even_with_budget_left():
+    # three layers of 100 bytes, N=2 -> budget 600, a pool holds 4 (top-1)
+    # A[0..3]: 4 misses (400 bytes); A[4]: A's pool is full -> A's own LRU (0) goes although the
+    # budget has room; A[0]: A full again -> A1 goes; B[0]: fits the budget (500), nothing goes;
+    # A[2]: hit -> 1 hit, 7 misses
+    calls = [(0, [e]) for e in range(5)] + [(0, [0]), (1, [0]), (0, [2])]
+    p = GLRU(2, {0: 100, 1: 100, 2: 100}, n_expert=8, n_expert_used=1)
+    assert run(p, calls) == (1, 7)
+    assert resident(p, 0) == {2, 3, 4, 0} and resident(p, 1) == {0} and p.resident == 500
+
+
+def test_glru_never_evicts_the_current_call_and_the_budget_yields():
+    # one layer of 100 bytes, N=1, top-2: budget 100, pool of min(8, max(2, 3)) = 3 slots.
+    # [0, 1]: two misses; the budget holds one, but both are this call's: 200 bytes resident.
+    # [2]: miss; budget: 0 and 1 (least recent first) go until 100 more fit -> both go.
+    p = GLRU(1, {0: 100}, n_expert=8, n_expert_used=2)
+    assert p.access(0, [0, 1]) == (0, 2) and p.resident == 200
+    assert p.access(0, [2]) == (0, 1) and p.resident == 100 and resident(p) == {2}
+
+
+# ------------------------------------------------------------------------------------------------
+# Belady
+
+
+def test_belady_classic():
+    # 2 slots, 0 1 2 0 1 3 0 1:
+    # 0 m, 1 m; 2 m: next uses 0 @3, 1 @4 -> evict 1 {0,2}; 0 hit; 1 m: 0 @6, 2 never -> evict 2
+    # {0,1}; 3 m: 0 @6, 1 @7 -> evict 1 {0,3}; 0 hit; 1 m -> 2 hits, 6 misses
+    calls = [[0], [1], [2], [0], [1], [3], [0], [1]]
+    assert run(Belady(2), calls) == (2, 6)
+    # LRU on the same: every access misses
+    assert run(LRU(2), calls) == (0, 8)
+
+
+def test_belady_never_evicts_the_current_call():
+    # 3 slots: [0,1] 2 m; [2] m; [0,3]: 0 hit, 3 miss -> evict among 1 (next @3) and 2 (next @4):
+    # 2 goes; 0 itself is never used again (the furthest of all) but belongs to this call.
+    # [1] hit; [2] miss -> 2 hits, 5 misses
+    assert run(Belady(3), [[0, 1], [2], [0, 3], [1], [2]]) == (2, 5)
+
+
+def test_belady_needs_the_calls_it_was_prepared_with():
+    p = Belady(2)
+    p.prepare([(0, [0]), (0, [1])])
+    p.access(0, [0])
+    with pytest.raises(ValueError):
+        p.access(0, [2])
+
+
+# ------------------------------------------------------------------------------------------------
+# SLRU and ARC: scan resistance by hand, invariants on random calls
+
+
+SCAN = [[0], [1], [0], [1], [2], [3], [4], [5], [6], [0], [1]]
+
+
+def test_slru_keeps_the_protected_through_a_scan():
+    # 4 slots, protected 3. 0 1 miss (probation); 0 1 hit -> protected; 2 3 miss (probation);
+    # 4 miss: full -> probation's LRU 2 goes; 5 evicts 3; 6 evicts 4; 0 1 hit -> 4 hits, 7 misses
+    assert run(SLRU(4), SCAN) == (4, 7)
+    # LRU-4: 0 1 miss, 0 1 hit, 2 3 miss, 4 5 6 evict 0 1 2, 0 1 miss -> 2 hits, 9 misses
+    assert run(LRU(4), SCAN) == (2, 9)
+
+
+def test_arc_by_hand():
+    # c=4. 0 1 -> t1; 0 1 hit -> t2 {0,1}; 2 3 -> t1 {2,3} (full)
+    # 4: |t1|+|b1| = 2 < 4, total 4 >= 4 -> REPLACE (p=0, |t1|>p): t1's LRU 2 -> b1; t1 {3,4}
+    # 5: |t1|+|b1| = 3 -> REPLACE: 3 -> b1 {2,3}; t1 {4,5}
+    # 6: |t1|+|b1| = 4, |t1| < 4 -> drop b1's LRU (2); REPLACE: 4 -> b1 {3,4}; t1 {5,6}
+    # 0 1 hit -> 4 hits, 7 misses
+    p = ARC(4)
+    assert run(p, SCAN) == (4, 7)
+    a = p.layers[0]
+    assert list(a.t1) == [5, 6] and list(a.t2) == [0, 1] and list(a.b1) == [3, 4] and a.p == 0
+    # 3 again: a ghost in b1 -> p = min(4, 0 + max(|b2|/|b1|, 1)) = 1; REPLACE: |t1| = 2 > 1 ->
+    # t1's LRU 5 -> b1; 3 enters t2
+    assert p.access(0, [3]) == (0, 1)
+    assert a.p == 1 and list(a.t1) == [6] and list(a.t2) == [0, 1, 3] and list(a.b1) == [4, 5]
+
+
+def random_calls(seed, n_calls=400, n_layers=2, n_expert=12, max_distinct=3, skew=1.3):
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** skew for i in range(n_expert)]
+    calls = []
+    for _ in range(n_calls):
+        layer = rng.randrange(n_layers)
+        experts = list(dict.fromkeys(rng.choices(range(n_expert), weights, k=rng.randint(1, max_distinct))))
+        calls.append((layer, experts))
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_invariants_and_belady_bound_on_random_calls(seed):
+    calls = random_calls(seed)
+    accesses = sum(len(e) for _, e in calls)
+    for slots in (3, 5, 8):
+        belady = run(Belady(slots), calls)
+        assert sum(belady) == accesses
+        for cls in (LRU, LFU, LFUDecay, SLRU, ARC):
+            p = cls(slots)
+            hits, misses = run(p, calls)
+            assert hits + misses == accesses
+            assert belady[1] <= misses, (cls.name, slots)  # nothing beats the optimum
+            if isinstance(p, ARC):
+                for a in p.layers.values():
+                    assert len(a.t1) + len(a.t2) <= slots and len(a.t1) + len(a.b1) <= slots
+                    assert len(a.t1) + len(a.t2) + len(a.b1) + len(a.b2) <= 2 * slots
+            elif isinstance(p, SLRU):
+                for probation, protected in p.layers.values():
+                    assert len(probation) + len(protected) <= slots
+            else:
+                for pool in p.pools.values():
+                    assert len(pool.slot_of) <= slots
+        # every policy with as many slots as experts misses only the first use of each
+        assert run(make_policy("arc", 12), calls)[1] == len({(l, e) for l, es in calls for e in es})
+
+
+# ------------------------------------------------------------------------------------------------
+# the replay driver on a hand-made trace
+
+
+def hand_trace():
+    """2 MoE layers (ids 1 and 3, 100 and 300 bytes per expert), top-1, 4 experts.
+    Micro-batch 0: 3 prompt tokens; layer 3 (the last) ran only the last one.
+    Micro-batches 1-3: one decode token each."""
+    experts = np.array([[[0], [-1]],
+                        [[1], [-1]],
+                        [[2], [0]],
+                        [[0], [0]],     # decode
+                        [[3], [1]],     # decode
+                        [[0], [0]]],    # decode
+                       dtype=np.int16)
+    return Trace(experts=experts, prompt=np.array([True, True, True, False, False, False]),
+                 tokens=np.arange(6, dtype=np.int32), segment=np.array([0, 0, 0, 1, 1, 1], dtype=np.int32),
+                 ubatch=np.array([3, 1, 1, 1], dtype=np.int32),
+                 calls=np.array([[3, 1], [1, 1], [1, 1], [1, 1]], dtype=np.int32),
+                 meta=dict(model="hand.gguf", architecture="test", n_expert=4, n_expert_used=1,
+                           moe_layers=[1, 3], expert_bytes=[100, 300], recorded_with={}))
+
+
+def test_build_calls_follows_the_recorded_micro_batches():
+    calls, split = build_calls(hand_trace())
+    assert split == 0
+    assert [(c.layer, c.experts, c.counted) for c in calls] == [
+        (1, [0, 1, 2], False), (3, [0], False),   # the prompt micro-batch: layer 3 ran token 2
+        (1, [0], True), (3, [0], True),
+        (1, [3], True), (3, [1], True),
+        (1, [0], True), (3, [0], True)]
+    # at most 2 tokens per micro-batch: tokens 0-1, then 2 (with the last layer's call)
+    calls, split = build_calls(hand_trace(), max_tokens=2)
+    assert split == 1
+    assert [(c.layer, c.experts) for c in calls[:3]] == [(1, [0, 1]), (1, [2]), (3, [0])]
+
+
+def test_replay_counts_decode_and_prices_misses():
+    # LRU, 2 slots per layer, top-1 (micro-batches of 2 tokens at most: the prompt one splits).
+    # layer 1: [0,1] m m, [2] m (evicts 0) | decode: [0] m (evicts 1), [3] m (evicts 2), [0] hit
+    # layer 3: [0] m | decode: [0] hit, [1] m, [0] hit
+    # decode: 3 hits, 3 misses -> 50 %; missed bytes 2 x 100 + 1 x 300 = 500 over 3 decode tokens
+    report = replay(hand_trace(), sizes=[2], policies=["lru"], gbps=1.0)
+    r = report["results"][0]
+    assert (r["hits"], r["misses"], r["warm_hits"], r["warm_misses"]) == (3, 3, 0, 4)
+    assert r["hit_rate"] == 0.5
+    assert r["missed_bytes_per_token"] == pytest.approx(500 / 3)
+    assert r["ceiling_tok_s"] == pytest.approx(1e9 / (500 / 3))
+    assert r["n_split_ubatches"] == 1
+    # with every expert resident after warm-up, decode still misses expert 3 of layer 1 and 1 of 3
+    full = replay(hand_trace(), sizes=[4], policies=["belady"])["results"][0]
+    assert (full["hits"], full["misses"]) == (4, 2)
+    none = replay(hand_trace(), sizes=[4], policies=["lru"], count="all")["results"][0]
+    assert none["hits"] + none["misses"] == 3 + 1 + 6 and not math.isinf(none["ceiling_tok_s"])
