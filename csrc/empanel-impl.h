@@ -11,7 +11,7 @@
 
 #define EMPANEL_MAX_TENSORS 4           // gate, up, down, gate_up
 #define EMPANEL_ALIGN       4096        // O_DIRECT offset/length/buffer alignment, bytes
-#define EMPANEL_STAGING     (32u << 20) // bytes of staging for experts on their way to non-plain pools
+#define EMPANEL_STAGING     (8u << 20)  // bytes of staging for experts on their way to non-plain pools
 
 // one routed-expert tensor of a layer: its experts in the file and its pool in memory
 struct empanel_tensor {
@@ -56,9 +56,12 @@ struct empanel_file {
 // one expert tensor of one missing expert on its way into its slot
 struct empanel_read_job {
     const struct empanel_tensor * tensor;
-    int32_t   expert;
-    int32_t   slot;
-    uint8_t * dst;          // the slot itself (direct) or staging
+    int32_t    expert;
+    int32_t    slot;
+    uint8_t  * dst;         // the slot itself (direct) or staging
+    int        convert;     // 1: staging -> slot by the reader thread that reads the last chunk
+                            //    (host pools: CPU_REPACK); 2: by the caller after the batch (device)
+    atomic_int chunks_left;
 };
 
 // one read request: file bytes [offset, offset + length) of which [skip, skip + payload) go to
@@ -88,7 +91,7 @@ struct empanel_reader {
     int             stop;
 
     struct empanel_pool        * pool;
-    const struct empanel_read_job * jobs;
+    struct empanel_read_job    * jobs;
     const struct empanel_chunk * chunks;
     int32_t                      n_chunks;
     atomic_int                   next;   // next chunk to take

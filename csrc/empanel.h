@@ -57,8 +57,9 @@ struct empanel_layer_stats {
     uint64_t bytes_read;   // bytes of experts read from the file
     uint64_t io_bytes;     // bytes asked of the drive (bytes_read plus O_DIRECT alignment)
     uint64_t n_reads;      // read requests
-    uint64_t read_ns;      // wall time of the read phases (all reader threads at work)
-    uint64_t write_ns;     // time converting experts into slots that are not plain memory (repack, device)
+    uint64_t read_ns;      // wall time of the read phases (all reader threads at work), including
+                           // the conversion of experts into CPU_REPACK slots, done as they arrive
+    uint64_t write_ns;     // wall time copying experts into device slots after the reads
     uint64_t remap_ns;     // time the graph waited in remap (lookups + reads + writes)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert

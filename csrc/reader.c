@@ -156,6 +156,15 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
     return 0;
 }
 
+// staging -> slot (repack, or a copy to the device)
+static int convert_job(struct empanel_pool * pool, const struct empanel_read_job * job) {
+    if (llama_empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
+        empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
+        return -1;
+    }
+    return 0;
+}
+
 static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
     struct empanel_pool * pool = reader->pool;
     const struct empanel_file * f = &pool->files[c->file];
@@ -177,8 +186,11 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         if (i >= reader->n_chunks) {
             break;
         }
-        if (!atomic_load(&reader->pool->failed)) {
-            read_chunk(reader, &reader->chunks[i], bounce);
+        const struct empanel_chunk * c = &reader->chunks[i];
+        struct empanel_read_job * job = &reader->jobs[c->job];
+        if (!atomic_load(&reader->pool->failed) && read_chunk(reader, c, bounce) == 0 &&
+            atomic_fetch_sub(&job->chunks_left, 1) == 1 && job->convert == 1) {
+            convert_job(reader->pool, job); // the expert tensor is complete: repack it now
         }
         if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
             pthread_mutex_lock(&reader->mutex);
@@ -300,7 +312,7 @@ void empanel_reader_stop(struct empanel_pool * pool) {
 }
 
 // post the chunks, read alongside the threads, and return when every chunk is done
-static void reader_run(struct empanel_pool * pool, const struct empanel_read_job * jobs,
+static void reader_run(struct empanel_pool * pool, struct empanel_read_job * jobs,
                        const struct empanel_chunk * chunks, int32_t n_chunks) {
     struct empanel_reader * reader = &pool->reader;
     pthread_mutex_lock(&reader->mutex);
@@ -349,7 +361,7 @@ static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks,
 }
 
 // cut job j's file range into chunks; returns the number written to out
-static int32_t plan_chunks(const struct empanel_reader * reader, const struct empanel_read_job * job, int32_t j,
+static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_read_job * job, int32_t j,
                            struct empanel_chunk * out, uint64_t * io_bytes) {
     const struct empanel_tensor * t = job->tensor;
     const uint64_t begin = t->offset + (uint64_t) job->expert * t->expert_size; // payload in the file
@@ -371,6 +383,7 @@ static int32_t plan_chunks(const struct empanel_reader * reader, const struct em
         c->dst_offset = p0 - begin;
         *io_bytes    += reader->direct ? c->length : c->payload;
     }
+    atomic_store(&job->chunks_left, n);
     return n;
 }
 
@@ -419,10 +432,12 @@ int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * laye
                 job->tensor = t;
                 job->expert = misses[m];
                 job->slot   = slots[m];
-                job->dst    = llama_empanel_slot_data(t->pool, slots[m]);
+                job->dst     = llama_empanel_slot_data(t->pool, slots[m]);
+                job->convert = 0;
                 if (!t->direct || job->dst == NULL) {
-                    job->dst = pool->staging + staged;
-                    staged  += t->expert_size;
+                    job->dst     = pool->staging + staged;
+                    job->convert = t->host != NULL ? 1 : 2;
+                    staged      += t->expert_size;
                 }
                 n_chunks += plan_chunks(reader, job, n_jobs, pool->chunks + n_chunks, &io_bytes);
                 payload  += t->expert_size;
@@ -437,14 +452,12 @@ int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * laye
             return -1;
         }
         for (int32_t j = 0; j < n_jobs; j++) {
-            const struct empanel_read_job * job = &pool->jobs[j];
-            if (job->dst < pool->staging || job->dst >= pool->staging + pool->staging_size) {
-                continue; // already in its slot
+            if (pool->jobs[j].convert == 2 && convert_job(pool, &pool->jobs[j]) != 0) {
+                return -1; // device pools: written here, between the reads and the next kernel
             }
-            if (llama_empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
-                empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
-                return -1;
-            }
+        }
+        if (atomic_load(&pool->failed)) {
+            return -1; // a reader thread's conversion failed
         }
         layer->stats.read_ns    += t1 - t0;
         layer->stats.write_ns   += empanel_now_ns() - t1;
