@@ -115,8 +115,9 @@ struct empanel_pool {
     int32_t                   jobs_cap;
     struct empanel_chunk    * chunks;
     int32_t                   chunks_cap;
-    uint8_t                 * staging;
+    uint8_t                 * staging;       // pinned host memory of a device pool's device, if any
     uint64_t                  staging_size;
+    void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
 
     char notice[256];
 
@@ -155,3 +156,4 @@ void     empanel_reader_stop (struct empanel_pool * pool);
 int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
                               const int32_t * misses, const int32_t * slots, int32_t n_misses);
 uint64_t empanel_now_ns(void);
+void     empanel_staging_free(struct empanel_pool * pool);

@@ -60,6 +60,7 @@ struct empanel_layer_stats {
     uint64_t read_ns;      // wall time of the read phases (all reader threads at work), including
                            // the conversion of experts into CPU_REPACK slots, done as they arrive
     uint64_t write_ns;     // wall time copying experts into device slots after the reads
+    uint64_t copy_bytes;   // bytes copied host -> device into slots
     uint64_t remap_ns;     // time the graph waited in remap (lookups + reads + writes)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert

@@ -218,7 +218,7 @@ void empanel_pool_free(struct empanel_pool * pool) {
     empanel_files_close(pool);
     free(pool->jobs);
     free(pool->chunks);
-    free(pool->staging);
+    empanel_staging_free(pool);
     free(pool->trace);
     free(pool->lru_prev);
     free(pool->lru_next);
@@ -356,6 +356,10 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
             t->pool   = pool_tensor;
             t->direct = llama_empanel_slot_data(pool_tensor, 0) != NULL;
             t->host   = llama_empanel_pool_host_data(pool_tensor);
+            if (t->host == NULL && pool->staging_owner == NULL) {
+                empanel_staging_free(pool);         // reads bound for device memory: pinned staging
+                pool->staging_owner = pool_tensor;
+            }
             if (t->host != NULL) {
                 // zeros, and no memory until a slot is used
                 release_memory(t->host, (uint64_t) layer->n_slots * t->expert_size, 1);

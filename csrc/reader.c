@@ -338,6 +338,18 @@ static void reader_run(struct empanel_pool * pool, struct empanel_read_job * job
 // ------------------------------------------------------------------------------------------------
 // a batch of experts
 
+void empanel_staging_free(struct empanel_pool * pool) {
+    if (pool->staging != NULL) {
+        if (pool->staging_owner != NULL) {
+            llama_empanel_staging_free(pool->staging);
+        } else {
+            free(pool->staging);
+        }
+    }
+    pool->staging      = NULL;
+    pool->staging_size = 0;
+}
+
 static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks, uint64_t staging) {
     if (n_jobs > pool->jobs_cap) {
         void * p = realloc(pool->jobs, sizeof(*pool->jobs) * n_jobs);
@@ -352,8 +364,8 @@ static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks,
         pool->chunks_cap = n_chunks;
     }
     if (staging > pool->staging_size) {
-        free(pool->staging);
-        pool->staging      = malloc(staging);
+        empanel_staging_free(pool);
+        pool->staging      = pool->staging_owner ? llama_empanel_staging_alloc(pool->staging_owner, staging) : malloc(staging);
         pool->staging_size = pool->staging ? staging : 0;
         if (pool->staging == NULL) { return -1; }
     }
@@ -452,9 +464,13 @@ int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * laye
             return -1;
         }
         for (int32_t j = 0; j < n_jobs; j++) {
-            if (pool->jobs[j].convert == 2 && convert_job(pool, &pool->jobs[j]) != 0) {
+            if (pool->jobs[j].convert != 2) {
+                continue;
+            }
+            if (convert_job(pool, &pool->jobs[j]) != 0) {
                 return -1; // device pools: written here, between the reads and the next kernel
             }
+            layer->stats.copy_bytes += pool->jobs[j].tensor->expert_size;
         }
         if (atomic_load(&pool->failed)) {
             return -1; // a reader thread's conversion failed

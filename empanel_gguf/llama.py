@@ -112,7 +112,8 @@ class ExpertPools:
         out = ffi.new("struct empanel_layer_stats *")
         layers = {}
         total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
-                               "n_reads", "read_s", "write_s", "remap_s", "n_slots", "n_resident"), 0)
+                               "n_reads", "read_s", "write_s", "copy_bytes", "remap_s", "n_slots",
+                               "n_resident"), 0)
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
@@ -121,6 +122,7 @@ class ExpertPools:
                 "n_remaps": out.n_remaps, "n_ids": out.n_ids, "hits": out.hits,
                 "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
                 "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "write_s": out.write_ns / 1e9,
+                "copy_bytes": out.copy_bytes,
                 "remap_s": out.remap_ns / 1e9,
                 "n_slots": out.n_slots, "n_resident": out.n_resident,
             }
@@ -130,6 +132,8 @@ class ExpertPools:
                 total[key] += row[key]
         total["hit_rate"] = _rate(total["hits"], total["misses"])
         total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
+        total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
+        total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0
         return {"layers": layers, "total": total}
 
     def take_trace(self):

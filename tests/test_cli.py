@@ -96,8 +96,9 @@ def test_run_builtin_model_streams_by_default(tmp_path):
     proc = cli("run", "-n", 4, env=cli_env(XDG_CACHE_HOME=str(tmp_path)), stdin="")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Once upon a time")
-    assert "8 of 16 per MoE layer" in report(proc)  # 50 % of the built-in model's experts
-    assert (tmp_path / "empanel-gguf" / "models" / f"{MODEL}.gguf").exists()
+    rep = report(proc)
+    assert "16 of 32 per MoE layer" in rep  # 50 % of the built-in model's experts
+    assert "shakespeare-moe.gguf" in rep    # the shipped, trained model
 
 
 def test_run_chat_over_a_pipe(model):

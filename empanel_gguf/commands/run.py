@@ -3,8 +3,9 @@
 With -p the completion of the prompt streams to stdout. Without -p and with a terminal on stdin it
 is an interactive chat in the model's chat template (-cnv forces chat on a pipe: one user turn per
 line); it ends on EOF (Ctrl-D) or /exit, and /reset clears its history. Without a model path
-it runs the built-in default model (written on first use into the cache) with slot pools of half
-its experts; that model has random weights, so without -p (or -cnv) it completes a fixed prompt.
+it runs the built-in default model (a small MoE trained on Shakespeare, shipped in the package;
+a random-weight fixture written into the cache where it is missing) with slot pools of half its
+experts; without -p (or -cnv) it completes a fixed prompt.
 
 Progress goes to stderr while indexing and loading; at exit a short report: prompt and decode
 tok/s, expert hit rate, bytes read and their GB/s, peak RSS, slots per layer.
@@ -22,7 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-# the built-in default until a trained one ships: a tiny random-weight qwen3moe (see fixtures.py)
+# the built-in model: a small qwen3moe trained on Shakespeare (scripts/train_moe.py), shipped in
+# the package (models/PROVENANCE.md); where it is missing (a checkout without it), a tiny
+# random-weight fixture written into the cache instead (see fixtures.py)
+BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "shakespeare-moe.gguf"
 DEFAULT_FIXTURE = "qwen3moe-q8_0"
 DEFAULT_MODEL_SLOTS = "50%"  # the built-in model streams its experts, to show what empanel does
 DEFAULT_PROMPT = "Once upon a time"
@@ -30,6 +34,8 @@ EXIT_MEMORY = 3
 
 
 def default_model_path():
+    if BUILTIN_MODEL.is_file():
+        return BUILTIN_MODEL
     from .. import fixtures
 
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -372,7 +378,7 @@ def main(argv=None):
                                        else (DEFAULT_MODEL_SLOTS if builtin else "auto"))
     if args.prompt is not None and args.conversation:
         parser.error("-p and -cnv: give a prompt or chat, not both")
-    # the built-in model has random weights: without -p it completes the default prompt, as a demo
+    # the built-in model is a tiny demo: without -p it completes the default prompt
     chatting = args.conversation if args.conversation is not None else (
         args.prompt is None and not builtin and sys.stdin is not None and sys.stdin.isatty())
 
