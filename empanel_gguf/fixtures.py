@@ -432,7 +432,7 @@ def _build_tensors(spec: FixtureSpec, n_vocab: int) -> _Tensors:
 # Metadata
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map: printable Latin-1 bytes map to themselves,
     the other 68 bytes to the characters from U+0100 on, in byte order."""
     printable = set(range(ord("!"), ord("~") + 1))
@@ -451,7 +451,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def vocabulary() -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges): 256 byte tokens, one token per merge, control tokens."""
-    tokens = list(_bytes_to_unicode().values())
+    tokens = list(bytes_to_unicode().values())
     types = [int(gguf.TokenType.NORMAL)] * len(tokens)
     merges = []
     for left, right in MERGES:

@@ -147,7 +147,7 @@ def split_work(text: str) -> tuple[str, str]:
 
 def byte_chars() -> dict[int, str]:
     from empanel_gguf import fixtures
-    return fixtures._bytes_to_unicode()  # GPT-2's byte -> printable character map
+    return fixtures.bytes_to_unicode()  # GPT-2's byte -> printable character map
 
 
 def pre_tokenize(text: str) -> list[str]:

@@ -65,6 +65,15 @@ def _gpu_layers(text):
         raise argparse.ArgumentTypeError(f"not a layer count: {text!r} (a number, or all)") from None
 
 
+def add_sampling_args(parser, temp):
+    """--temp, --top-k, --top-p, --min-p, llama.cpp's defaults except the temperature."""
+    env_arg(parser, "--temp", env="LLAMA_ARG_TEMP", type=float, default=temp,
+            help="temperature, 0 = greedy")
+    env_arg(parser, "--top-k", env="LLAMA_ARG_TOP_K", type=int, default=40, help="top-k sampling")
+    env_arg(parser, "--top-p", env="LLAMA_ARG_TOP_P", type=float, default=0.95, help="top-p sampling")
+    env_arg(parser, "--min-p", env="LLAMA_ARG_MIN_P", type=float, default=0.05, help="min-p sampling")
+
+
 def env_arg(parser, *flags, env, default=None, help="", show_default=None, **kwargs):
     """add_argument whose default comes from `env` when set; help ends in (default: .., env: ..)."""
     raw = os.environ.get(env)
@@ -143,11 +152,7 @@ def setup_arg_parser():
             help="read the model into memory instead of mapping it")
     env_arg(parser, "--mlock", env="LLAMA_ARG_MLOCK", action="store_true", default=False,
             help="lock the model in memory")
-    env_arg(parser, "--temp", env="LLAMA_ARG_TEMP", type=float, default=0.8,
-            help="temperature, 0 = greedy")
-    env_arg(parser, "--top-k", env="LLAMA_ARG_TOP_K", type=int, default=40, help="top-k sampling")
-    env_arg(parser, "--top-p", env="LLAMA_ARG_TOP_P", type=float, default=0.95, help="top-p sampling")
-    env_arg(parser, "--min-p", env="LLAMA_ARG_MIN_P", type=float, default=0.05, help="min-p sampling")
+    add_sampling_args(parser, temp=0.8)
     env_arg(parser, "--repeat-penalty", env="LLAMA_ARG_REPEAT_PENALTY", type=float, default=1.0,
             help="penalty for repeated tokens, 1.0 = none")
     env_arg(parser, "-s", "--seed", env="LLAMA_ARG_SEED", type=int, default=-1,

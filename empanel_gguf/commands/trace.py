@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .run import DEFAULT_PROMPT, EXIT_MEMORY, add_memory_args, env_arg, note
+from .run import DEFAULT_PROMPT, EXIT_MEMORY, add_memory_args, add_sampling_args, env_arg, note
 
 
 def setup_arg_parser():
@@ -60,11 +60,7 @@ def setup_arg_parser():
             choices=("lru", "lfu-decay", "g-lru"), help="the engine's eviction policy")
     env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
             help="expert reader threads")
-    env_arg(parser, "--temp", env="LLAMA_ARG_TEMP", type=float, default=0.0,
-            help="temperature, 0 = greedy")
-    env_arg(parser, "--top-k", env="LLAMA_ARG_TOP_K", type=int, default=40, help="top-k sampling")
-    env_arg(parser, "--top-p", env="LLAMA_ARG_TOP_P", type=float, default=0.95, help="top-p sampling")
-    env_arg(parser, "--min-p", env="LLAMA_ARG_MIN_P", type=float, default=0.05, help="min-p sampling")
+    add_sampling_args(parser, temp=0.0)
     env_arg(parser, "-s", "--seed", env="LLAMA_ARG_SEED", type=int, default=-1,
             help="sampling seed, -1 = random")
     parser.add_argument("--overhead", action="store_true",
