@@ -1,0 +1,107 @@
+"""scripts/bench.py: the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
+
+The smoke run skips every root-only step (no cgroup cap, no cache drop) and takes a few seconds:
+it checks the plumbing (children, JSON, rows), not speed.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+BENCH_PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+TINY = ["--layers", "2", "--experts", "16", "--top-k", "4", "--embd", "256", "--expert-ff", "256",
+        "--heads", "4", "--heads-kv", "2", "--head-dim", "64"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("empanel_bench", BENCH_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model(bench, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    assert bench.main(["--write-model", str(path), "--write-only"] + TINY) == 0
+    return path
+
+
+def test_help(bench):
+    text = bench.setup_arg_parser().format_help()
+    assert "--write-model" in text and "empanel-100%@none" in text
+
+
+def test_q4_k_blocks_decode_finite(bench):
+    fan_in = 512
+    rng = np.random.default_rng(0)
+    rows = bench.q4_k_blocks(rng, n_rows=64, ne0=fan_in, fan_in=fan_in)
+    assert rows.dtype == np.uint8 and rows.shape == (64, fan_in // 256 * 144)
+    values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q4_K)
+    assert values.shape == (64, fan_in)
+    assert np.isfinite(values).all()
+    # std ~ 1/sqrt(fan_in) (so activations keep their scale), mean ~ 0
+    assert values.std() == pytest.approx(1 / math.sqrt(fan_in), rel=0.15)
+    assert abs(values.mean()) < 0.1 / math.sqrt(fan_in)
+
+
+def test_written_model(bench, tiny_model):
+    reader = gguf.GGUFReader(tiny_model)
+    by_name = {t.name: t for t in reader.tensors}
+    for name, t in by_name.items():
+        if name.endswith("norm.weight") or "gate_inp" in name:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.Q4_K, name
+    exps = by_name["blk.1.ffn_down_exps.weight"]
+    assert list(exps.shape) == [256, 256, 16]
+    assert np.isfinite(gguf.quants.dequantize(exps.data, exps.tensor_type)).all()
+    assert reader.get_field(bench.FINGERPRINT_KEY).contents() == bench.shape_fingerprint(
+        bench.ModelShape(n_layer=2, n_expert=16, n_expert_used=4, n_embd=256, n_ff_exp=256,
+                         n_head=4, n_head_kv=2, head_dim=64))
+
+    # written again with the same shape: reused, not rewritten
+    mtime = os.stat(tiny_model).st_mtime_ns
+    assert bench.main(["--write-model", str(tiny_model), "--write-only"] + TINY) == 0
+    assert os.stat(tiny_model).st_mtime_ns == mtime
+
+
+def test_smoke_run(bench, tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["-m", str(tiny_model), "--configs", "stock,empanel-min", "-r", "1", "-p", "16", "-n", "8",
+            "-t", "1", "--no-cap", "--no-cgroup", "--no-drop-caches", "--probe-s", "0.2",
+            "--timeout", "120", "--json", str(out), "--log-dir", str(tmp_path / "logs")]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+
+    rows = {(r["config"], r["cap"]): r for r in doc["rows"]}
+    assert set(rows) == {("stock", "none"), ("empanel-min", "none")}
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["finite"]
+        assert row["pp_tps"] > 0 and row["tg_tps"] > 0
+        assert row["n_pp"] == 16 and row["n_tg"] == 8
+        assert row["peak_rss"] > 10 * 2**20
+
+    slots = rows[("empanel-min", "none")]
+    assert slots["n_ubatch"] == 1  # 4 slots, top-4: one token per micro-batch
+    assert slots["slots_per_layer"] == 4
+    assert 0.0 <= slots["tg_hit"] <= 1.0
+    expert_bytes = doc["model"]["expert_bytes"][0]
+    assert 0 < slots["tg_read_per_tok"] <= 2 * 4 * expert_bytes  # at most top-k misses per layer
+    assert slots["ceiling_tps"] > 0 and slots["pct_ceiling"] > 0
+    # forced trace: every arm decodes the same tokens
+    assert slots["argmax_agree"].endswith("/8")
+
+    assert len(doc["samples"]) == 2
+    assert all(len(s["tg"]["token_s"]) == 8 for s in doc["samples"])
+    assert "| model" in doc["tables"]["main"] and "tg8" in doc["tables"]["main"]
