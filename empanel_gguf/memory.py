@@ -141,6 +141,14 @@ def kv_bytes_per_element(type_id) -> float:
     return _KV_TYPE_BYTES.get(int(type_id), 2.0)
 
 
+def cli_n_ctx(shape: Shape, ctx_size) -> int:
+    """The commands' -c: unset means DEFAULT_N_CTX (at most the model's training context), 0 the
+    model's training context."""
+    if ctx_size is None:
+        return min(DEFAULT_N_CTX, shape.n_ctx_train or DEFAULT_N_CTX)
+    return resolve_n_ctx(shape, ctx_size)
+
+
 def resolve_n_ctx(shape: Shape, n_ctx) -> int:
     """n_ctx as llama-cpp-python will use it: 0 means the model's training context."""
     if not n_ctx:

@@ -394,11 +394,7 @@ def main(argv=None):
              f"{len(index.layers)} MoE layers, {memory.fmt_bytes(index.expert_bytes_total)} of experts, "
              f"{memory.fmt_bytes(index.other_bytes_total)} of other weights")
         shape = memory.model_shape(index)
-        n_ctx = args.ctx_size
-        if n_ctx is None:
-            n_ctx = min(memory.DEFAULT_N_CTX, shape.n_ctx_train or memory.DEFAULT_N_CTX)
-        elif n_ctx == 0:
-            n_ctx = shape.n_ctx_train or memory.DEFAULT_N_CTX
+        n_ctx = memory.cli_n_ctx(shape, args.ctx_size)
         floor = memory.parse_floor(args.mem_floor)
         moe_slots, plan, est, available, floor, notices = memory.preflight(
             index, moe_slots, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size,

@@ -97,11 +97,7 @@ def main(argv=None):
         if not index.is_moe:
             raise ValueError(f"{name}: no routed experts ({index.architecture}): nothing to trace")
         shape = memory.model_shape(index)
-        n_ctx = args.ctx_size
-        if n_ctx is None:
-            n_ctx = min(memory.DEFAULT_N_CTX, shape.n_ctx_train or memory.DEFAULT_N_CTX)
-        elif n_ctx == 0:
-            n_ctx = shape.n_ctx_train or memory.DEFAULT_N_CTX
+        n_ctx = memory.cli_n_ctx(shape, args.ctx_size)
         moe_slots, plan, est, available, floor, notices = memory.preflight(
             index, memory.parse_moe_slots(args.moe_slots), n_ctx=n_ctx, n_batch=args.batch_size,
             n_ubatch=args.ubatch_size, n_gpu_layers=args.n_gpu_layers,
