@@ -465,7 +465,7 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def _add_tokenizer(w: gguf.GGUFWriter) -> None:
+def add_tokenizer(w: gguf.GGUFWriter) -> None:
     tokens, types, merges = vocabulary()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -533,7 +533,7 @@ def _add_deepseek2_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
 # Writing
 
 
-def _encode(values: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+def encode_tensor(values: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
     """float32 values -> (array to store, raw ggml type for quantized bytes or None)."""
     if qtype == "F32":
         return values.astype(np.float32), None
@@ -556,9 +556,9 @@ def _write_gguf(spec: FixtureSpec, path: Path) -> None:
     w.add_string(FINGERPRINT_KEY, fingerprint(spec))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hparams(w, spec)
-    _add_tokenizer(w)
+    add_tokenizer(w)
     for name, values, qtype in tensors.items:
-        data, raw_dtype = _encode(values, qtype)
+        data, raw_dtype = encode_tensor(values, qtype)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -232,7 +232,7 @@ def write_model(shape: ModelShape, path, log=print) -> Path:
         w.add_rope_freq_base(1e6)
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
-        fixtures._add_tokenizer(w)  # the fixtures' byte-level BPE vocabulary (one definition)
+        fixtures.add_tokenizer(w)  # the fixtures' byte-level BPE vocabulary (one definition)
 
         for name, ne, kind, _ in plan:
             nbytes = _tensor_bytes(ne, kind)

@@ -630,16 +630,6 @@ def gguf_tensors(model, cfg: Config, all_f32=False):
     return items
 
 
-def encode(values, qtype):
-    import gguf
-    if qtype == "F32":
-        return values.astype(np.float32), None
-    if qtype == "F16":
-        return values.astype(np.float16), None
-    t = gguf.GGMLQuantizationType[qtype]
-    return gguf.quants.quantize(values, t), t
-
-
 def rounded(values, qtype):
     """The float32 values llama.cpp will see after `qtype`."""
     import gguf
@@ -653,6 +643,8 @@ def rounded(values, qtype):
 
 def step_export(work: Path, cfg: Config, out: Path, all_f32=False):
     import gguf
+
+    from empanel_gguf import fixtures
     model, tokens, merges, state = load_trained(work, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -666,7 +658,7 @@ def step_export(work: Path, cfg: Config, out: Path, all_f32=False):
     add_hparams(w, cfg)
     add_tokenizer(w, tokens, merges)
     for name, values, qtype in gguf_tensors(model, cfg, all_f32):
-        data, raw = encode(values, qtype)
+        data, raw = fixtures.encode_tensor(values, qtype)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
