@@ -25,6 +25,7 @@ _UNITS = {
 
 
 GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share
+UNCAPPED_UBATCH = 1 << 30  # max_ubatch of pools that hold every expert
 
 
 class SlotsError(ValueError):
@@ -40,6 +41,7 @@ class SlotPlan:
     notices: list = field(default_factory=list)  # what was adjusted, for verbose output
     budget_bytes: int = 0    # g-lru: the shared budget (= pool_bytes); 0 for per-layer policies
     capacity_bytes: int = 0  # bytes of all pools' slots (above pool_bytes for g-lru)
+    holds_all: bool = False  # every layer's pool (and budget) holds all its experts
 
     @property
     def min_slots(self):
@@ -48,7 +50,10 @@ class SlotPlan:
     @property
     def max_ubatch(self):
         """Largest micro-batch whose distinct experts always fit every layer's pool: each token
-        routes to n_expert_used experts, so T tokens need at most T * n_expert_used slots."""
+        routes to n_expert_used experts, so T tokens need at most T * n_expert_used slots.
+        Pools that hold every expert fit any micro-batch: no cap (UNCAPPED_UBATCH)."""
+        if self.holds_all:
+            return UNCAPPED_UBATCH
         return max(1, self.min_slots // self.n_expert_used)
 
 
@@ -88,7 +93,8 @@ def plan_slots(index, moe_slots, policy="lru"):
         n_slots[layer.layer] = capacity
     return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k, pool_bytes=pool_bytes,
                     notices=notices, budget_bytes=pool_bytes if policy == "g-lru" else 0,
-                    capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers))
+                    capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers),
+                    holds_all=wanted >= n_expert)
 
 
 def _wanted_slots(index, moe_slots):

@@ -511,7 +511,7 @@ CAP_NONE, CAP = "none", "cap"
 DEFAULT_CONFIGS = (
     [f"{n}@{CAP_NONE}" for n in ("stock", "empanel-100%", "empanel-50%", "empanel-25%", "empanel-min")]
     + [f"{n}@{CAP}" for n in ("stock", "stock-mmap", "stock-mmap-ra128", "empanel-100%", "empanel-50%",
-                              "empanel-25%", "empanel-min")])
+                              "empanel-25%", "empanel-min", "empanel-auto")])
 
 
 @dataclass
@@ -582,9 +582,17 @@ PROMPT_TEXT = (
 )
 
 
-def token_trace(llm, n_prompt: int, n_gen: int):
+WARMUP_TEXT = (
+    "Salt was the first fortune of the coast. Long before the harbour walls, families boiled "
+    "seawater in lead pans on the marsh edge and carried the crystals inland on mules; the "
+    "tracks they wore became the lanes that the later turnpikes straightened, and the pans left "
+    "the low mounds that walkers still take for the barrows of forgotten kings. "
+)
+
+
+def token_trace(llm, n_prompt: int, n_gen: int, text: str = PROMPT_TEXT):
     """(prompt tokens, forced continuation): the same text for every arm, repeated as needed."""
-    text = PROMPT_TEXT.encode()
+    text = text.encode()
     tokens = llm.tokenize(text, add_bos=True)
     while len(tokens) < n_prompt + n_gen:
         tokens += llm.tokenize(text, add_bos=False)
@@ -719,6 +727,35 @@ def child_main(spec_path: str) -> int:
     after_load = _proc_status()
     prompt, trace = token_trace(llm, spec["n_prompt"], spec["n_gen"])
 
+    warmup = None
+    if spec.get("warmup"):
+        # like llama-bench, a warm-up run first (other text), so that the measured run sees the
+        # steady state (warm pools / page cache), not the first reads after load: a prompt of up
+        # to warmup_tokens in n_batch pieces, then n_gen decoded tokens, within warmup_s seconds
+        phase("warmup")
+        w_prompt, w_trace = token_trace(llm, spec["warmup_tokens"], spec["n_gen"], WARMUP_TEXT)
+        moe_w0 = _total(llm)
+        t0 = time.perf_counter()
+        n_pp = 0
+        while n_pp < len(w_prompt):
+            piece = w_prompt[n_pp:n_pp + spec["n_batch"]]
+            llm.eval(piece)
+            n_pp += len(piece)
+            if time.perf_counter() - t0 > spec["warmup_s"]:
+                break
+        w_pp_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        n_tg = 0
+        for tok in w_trace:
+            if n_tg >= spec["min_tg"] and time.perf_counter() - t0 > spec["warmup_s"]:
+                break
+            llm.eval([tok])
+            n_tg += 1
+        w_tg_s = time.perf_counter() - t1
+        llm.reset()  # the next eval drops the warm-up's KV cells
+        warmup = {"pp": {"n": n_pp, "s": w_pp_s}, "tg": {"n": n_tg, "s": w_tg_s},
+                  "moe": _delta(_total(llm), moe_w0)}
+
     disk = spec.get("disk_stat")
     io0, moe0, dk0 = _proc_io(), _total(llm), _disk(disk)
     phase("pp")
@@ -765,6 +802,8 @@ def child_main(spec_path: str) -> int:
         "rss_file_end": status.get("RssFile"),
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "moe_slots_total": (moe2 or {}).get("n_slots"),
+        "moe_slots_resolved": getattr(llm, "moe_slots", None),
+        "warmup": warmup,
         "pp": {"n": len(prompt), "s": pp_s, "finite": pp_finite, "logit_std": pp_spread,
                "io_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
                "moe": _delta(moe1, moe0), **_disk_delta(dk1, dk0)},
@@ -828,7 +867,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         "model": str(bench.model_path), "kind": cfg.kind, "moe_slots": cfg.moe_slots,
         "n_prompt": a.n_prompt, "n_gen": a.n_gen, "n_ctx": a.n_ctx, "n_batch": a.n_batch,
         "n_ubatch": a.n_ubatch, "threads": a.threads, "max_tg_s": a.max_tg_s, "min_tg": a.min_tg,
-        "moe_opts": dict(a.moe_opt), "llama_opts": dict(a.llama_opt), "result": str(result_path),
+        "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s, "moe_opts": dict(a.moe_opt), "llama_opts": dict(a.llama_opt), "result": str(result_path),
         "cgroup_procs": None,
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
     }
@@ -982,6 +1021,11 @@ def sample_metrics(s: dict) -> dict:
         if d.get("dev_busy_s"):  # the disk's own view: rate while busy, share of the phase busy
             m[f"{ph}_dev_gbps"] = d["dev_read_bytes"] / d["dev_busy_s"] / 1e9
             m[f"{ph}_dev_busy_pct"] = 100 * d["dev_busy_s"] / sec if sec > 0 else None
+    w = s.get("warmup")  # the first run after load: cold pools / page cache
+    if w:
+        for ph in ("pp", "tg"):
+            if w[ph]["n"] and w[ph]["s"] > 0:
+                m[f"cold_{ph}_tps"] = w[ph]["n"] / w[ph]["s"]
     m["peak_rss"] = s.get("peak_rss")
     m["load_s"] = s.get("load_s")
     m["cgroup_peak"] = s.get("cgroup_peak")
@@ -1028,6 +1072,7 @@ def build_rows(bench: Bench, configs: list[Config]) -> list[dict]:
             row["n_pp"] = ok[0]["pp"]["n"]
             row["slots_per_layer"] = (ok[0]["moe_slots_total"] // len(bench.index.layers)
                                       if ok[0].get("moe_slots_total") else None)
+            row["moe_slots_resolved"] = ok[0].get("moe_slots_resolved", cfg.moe_slots)
             row["argmax"] = ok[0]["tg"]["argmax"]
             row["finite"] = all(s["pp"]["finite"] and s["tg"]["finite"] for s in ok)
         else:
@@ -1170,14 +1215,16 @@ def main_table(bench: Bench, rows) -> str:
 
 
 def details_table(bench: Bench, rows) -> str:
-    """Where the decode time goes, per row (medians; ms per decoded token)."""
-    headers = ["config", "cap", "status", "load s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
+    """Where the decode time goes, per row (medians; ms per decoded token). 'cold': the warm-up
+    run right after load, before the measured one."""
+    headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
                "write ms", "wait ms", "compute ms", "disk GB/s busy", "disk busy %", "ceiling t/s",
                "reader % drive", "others' CPU %", "argmax = stock"]
     out = []
     for row in rows:
         status = row["status"] if row["status"].startswith("ok") else (row.get("error") or row["status"])[:40]
-        out.append([row["config"], row["cap"], status, fmt(row.get("load_s"), ".1f"), fmt_bytes(row.get("peak_rss")),
+        out.append([row["config"], row["cap"], status, fmt(row.get("load_s"), ".1f"),
+                    fmt(row.get("cold_pp_tps")), fmt(row.get("cold_tg_tps")), fmt_bytes(row.get("peak_rss")),
                     fmt_bytes(row.get("cgroup_peak")), fmt_bytes(row.get("tg_io_per_tok")),
                     fmt(row.get("tg_read_ms"), ".1f"), fmt(row.get("tg_write_ms"), ".1f"),
                     fmt(row.get("tg_wait_ms"), ".1f"), fmt(row.get("tg_compute_ms"), ".1f"),
@@ -1249,7 +1296,8 @@ def targets(bench: Bench, rows) -> list[str]:
                          f"slot writes {fmt(row.get('tg_write_ms'), '.1f')}) + compute {fmt(row.get('tg_compute_ms'), '.1f')} ms "
                          f"(resident {fmt(resident_ms, '.1f')} ms);")
         try:
-            pools = plan_slots(bench.index, row["moe_slots"]).pool_bytes
+            policy = dict(bench.args.moe_opt).get("moe_policy", "lru")
+            pools = plan_slots(bench.index, row.get("moe_slots_resolved") or row["moe_slots"], policy).pool_bytes
         except Exception:  # noqa: BLE001  (a sizing error is reported, not raised)
             pools = None
         if pools is not None and row.get("peak_rss"):
@@ -1317,6 +1365,7 @@ def write_json(bench: Bench, configs, rows=None, tables=None):
                   "cold_bytes_per_token": bench.index.cold_bytes_per_token,
                   "expert_bytes": [l.expert_bytes for l in bench.index.layers]},
         "params": {"n_prompt": a.n_prompt, "n_gen": a.n_gen, "repetitions": a.repetitions, "threads": a.threads,
+                   "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
                    "n_ctx": a.n_ctx, "n_batch": a.n_batch, "n_ubatch": a.n_ubatch, "cap_fraction": a.cap,
                    "cap_bytes": bench.cap_bytes, "guard_bytes": bench.guard_bytes, "max_tg_s": a.max_tg_s,
                    "timeout_s": a.timeout, "moe_opts": dict(a.moe_opt), "llama_opts": dict(a.llama_opt),
@@ -1360,7 +1409,7 @@ def setup_arg_parser():
     g.add_argument("-p", "--n-prompt", type=int, default=64, help="prompt tokens (default: 64)")
     g.add_argument("-n", "--n-gen", type=int, default=32, help="decoded tokens (default: 32)")
     g.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
-    g.add_argument("-c", "--n-ctx", type=int, default=None, help="context (default: prompt + gen + 16)")
+    g.add_argument("-c", "--n-ctx", type=int, default=None, help="context (default: the longer of prompt and warm-up prompt, + gen + 16)")
     g.add_argument("-b", "--n-batch", type=int, default=512, help="(default: 512)")
     g.add_argument("-ub", "--n-ubatch", type=int, default=512,
                    help="(default: 512; slot runs cap it so a micro-batch fits the pools)")
@@ -1376,6 +1425,13 @@ def setup_arg_parser():
     g.add_argument("--max-tg-s", type=float, default=120.0,
                    help="stop decoding a run after this many seconds (at least --min-tg tokens; default: 120)")
     g.add_argument("--min-tg", type=int, default=4, help="(default: 4)")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="measure the first prompt and tokens after load (default: a warm-up run on "
+                        "other text first, as llama-bench does)")
+    g.add_argument("--warmup-tokens", type=int, default=256,
+                   help="warm-up prompt tokens, then n-gen decoded (default: 256)")
+    g.add_argument("--warmup-s", type=float, default=30.0,
+                   help="the warm-up stops after this many seconds (default: 30)")
     g.add_argument("--timeout", type=float, default=1800.0, help="seconds per child run (default: 1800)")
     g.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
                    help="before each run wait up to S seconds for user processes to keep the CPUs under --idle-pct busy "
@@ -1444,7 +1500,8 @@ def main(argv=None) -> int:
     index = load_index(model)
     if not index.is_moe:
         raise SystemExit(f"bench: {model} has no routed experts")
-    args.n_ctx = args.n_ctx or max(64, args.n_prompt + args.n_gen + 16)
+    longest = max(args.n_prompt, 0 if args.no_warmup else args.warmup_tokens) + args.n_gen
+    args.n_ctx = args.n_ctx or max(64, longest + 16)
     moe_opts = dict(args.moe_opt)
     args.moe_opt = list(moe_opts.items())
     args.llama_opt = list(dict(args.llama_opt).items())
@@ -1543,7 +1600,9 @@ def main(argv=None) -> int:
     print(f"drive O_DIRECT ({probe_chunk // 1024} KiB chunks, depth {probe_depth}): "
           f"{', '.join(drives) or '-'} GB/s; before each run: median {fmt(_median(per))}, "
           f"min {fmt(min(per) if per else None)}, max {fmt(max(per) if per else None)} GB/s")
-    print(f"threads {args.threads}, pp{args.n_prompt} / tg{args.n_gen}, {args.repetitions} repetitions, "
+    warm = (f"after a warm-up on other text (pp{args.warmup_tokens} + tg{args.n_gen}, at most "
+            f"{args.warmup_s:.0f} s)" if not args.no_warmup else "cold, right after load")
+    print(f"threads {args.threads}, pp{args.n_prompt} / tg{args.n_gen} {warm}, {args.repetitions} repetitions, "
           f"t/s median ± sd; read/tok: expert bytes read (empanel) or bytes the process read from the "
           f"drive (/proc/pid/io, stock); total {time.perf_counter() - t_start:.0f} s\n")
     print("targets (issue 4):")

@@ -80,11 +80,14 @@ def test_smoke_run(bench, tiny_model, tmp_path):
     argv = ["-m", str(tiny_model), "--configs", "stock,empanel-min", "-r", "1", "-p", "16", "-n", "8",
             "-t", "1", "--no-cap", "--no-cgroup", "--no-drop-caches", "--probe-s", "0.2",
             "--timeout", "120", "--json", str(out), "--log-dir", str(tmp_path / "logs")]
-    assert bench.main(argv) == 0
+    assert bench.main(argv + ["--warmup-tokens", "24"]) == 0
     doc = json.loads(out.read_text())
 
     rows = {(r["config"], r["cap"]): r for r in doc["rows"]}
     assert set(rows) == {("stock", "none"), ("empanel-min", "none")}
+    for s in doc["samples"]:  # a warm-up on other text ran before the measured run
+        assert s["warmup"]["pp"]["n"] == 24 and s["warmup"]["tg"]["n"] == 8
+    assert doc["samples"][1]["warmup"]["moe"]["misses"] > 0
     for row in rows.values():
         assert row["status"] == "ok", row
         assert row["finite"]

@@ -11,7 +11,7 @@ import pytest
 from empanel_gguf import Llama, fixtures
 from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
-from empanel_gguf.sizing import plan_slots
+from empanel_gguf.sizing import UNCAPPED_UBATCH, plan_slots
 
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 OTHER_PROMPTS = (b"Once upon a time in a land far away", b"1, 2, 3, 4, 5, 6, 7, 8")
@@ -58,7 +58,7 @@ def test_bit_identical_to_resident(fixture_dir, name, moe_slots):
     path = fixtures.write_fixture(name, fixture_dir)
     logits, tokens, stats, n_ubatch = run(path, PROMPT, moe_slots, n_ubatch=512)
     plan = plan_slots(load_index(path), moe_slots)
-    assert n_ubatch == min(512, plan.max_ubatch)
+    assert n_ubatch == min(64, plan.max_ubatch)  # n_batch 64 bounds it; pools of every expert don't
 
     ref_logits, ref_tokens, ref_stats, _ = baseline(path, PROMPT, n_ubatch)
     assert ref_stats is None
@@ -161,3 +161,18 @@ def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
         assert memory.estimate(index, plan_slots(index, n_slots), n_ctx=128).host <= available - floor
     finally:
         llm.close()
+
+
+def test_micro_batch_cap_follows_the_pools(fixture_dir):
+    index = load_index(fixtures.write_fixture("qwen3moe-f16", fixture_dir))
+    n, k = index.n_expert, index.n_expert_used
+    assert plan_slots(index, k).max_ubatch == 1
+    assert plan_slots(index, 2 * k).max_ubatch == 2
+    # pools that hold every expert fit any micro-batch
+    assert plan_slots(index, n).holds_all
+    assert plan_slots(index, n).max_ubatch == UNCAPPED_UBATCH
+    assert plan_slots(index, n, policy="g-lru").max_ubatch == UNCAPPED_UBATCH
+    # g-lru with room for every expert per layer but half the budget stays capped
+    half = plan_slots(index, n // 2, policy="g-lru")
+    assert max(half.n_slots) == n and not half.holds_all
+    assert half.max_ubatch == n // k
