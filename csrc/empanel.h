@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 3
+#define EMPANEL_SIDECAR_VERSION 4
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -62,6 +62,7 @@ struct empanel_layer_stats {
     uint64_t write_ns;     // wall time copying experts into device slots after the reads
     uint64_t copy_bytes;   // bytes copied host -> device into slots
     uint64_t remap_ns;     // time the graph waited in remap (lookups + reads + writes)
+    uint64_t preloaded;    // experts read by empanel_pool_preload (in bytes_read, not in misses)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };
@@ -120,6 +121,12 @@ EMPANEL_API uint64_t empanel_trace_size(struct empanel_pool * pool);
 
 // bytes of experts resident in all pools
 EMPANEL_API uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool);
+
+// read experts into the empty slots of every paged layer, in expert id order, as far as the
+// slots (and the g-lru budget) go: pools that hold every expert end up holding the whole layer,
+// as a model loaded in full would. Call after every tensor is bound; returns the experts read,
+// -1 on failure (the reason in empanel_pool_error; slots not yet read stay empty).
+EMPANEL_API int64_t empanel_pool_preload(struct empanel_pool * pool);
 
 // counters of layer il (zeros for a layer that is not paged); reset all counters
 EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out);

@@ -548,6 +548,86 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
     return 0;
 }
 
+// up to max_fill of one layer's empty slots, filled with the experts it lacks (lowest ids
+// first); the experts read
+static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * layer, int32_t max_fill) {
+    int32_t n = 0;
+    int32_t e = 0;
+    for (int32_t s = 0; s < layer->n_slots && n < max_fill; s++) {
+        if (layer->expert_in[s] >= 0) {
+            continue;
+        }
+        while (e < pool->n_expert && layer->slot_of[e] >= 0) {
+            e++;
+        }
+        if (e == pool->n_expert) {
+            break;
+        }
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            if (pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
+                break; // the budget is full: no eviction for a guess
+            }
+            pool->resident_bytes += layer->expert_bytes;
+        }
+        layer->misses[n]  = e++;
+        layer->victims[n] = s;
+        n++;
+    }
+    if (n == 0) {
+        return 0;
+    }
+    if (empanel_read_experts(pool, layer, layer->misses, layer->victims, n) != 0) {
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            pool->resident_bytes -= (uint64_t) n * layer->expert_bytes; // the slots stay empty
+        }
+        return -1;
+    }
+    const uint64_t call = ++pool->call; // resident, least recent: the first victims of use
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t s = layer->victims[i];
+        layer->expert_in[s]               = layer->misses[i];
+        layer->slot_of[layer->misses[i]] = s;
+        note_use(layer, s, call);
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            lru_push_recent(pool, layer->lru_base + s);
+        }
+    }
+    layer->stats.preloaded += (uint64_t) n;
+    return n;
+}
+
+int64_t empanel_pool_preload(struct empanel_pool * pool) {
+    pthread_mutex_lock(&pool->lock);
+    int64_t n_read = 0;
+    if (atomic_load(&pool->failed) || empanel_files_check(pool) != 0) {
+        n_read = -1;
+    }
+    // g-lru: each layer its even share of the budget, not the first layers all of it
+    uint64_t per_layer_bytes = 0;
+    if (pool->policy == EMPANEL_POLICY_GLRU) {
+        int32_t n_paged = 0;
+        for (int32_t il = 0; il < pool->n_layer; il++) {
+            n_paged += pool->layers[il].n_slots > 0 && !pool->layers[il].observe;
+        }
+        per_layer_bytes = n_paged > 0 ? pool->budget_bytes / (uint64_t) n_paged : 0;
+    }
+    for (int32_t il = 0; il < pool->n_layer && n_read >= 0; il++) {
+        struct empanel_layer * layer = &pool->layers[il];
+        if (layer->n_slots == 0 || layer->observe) {
+            continue;
+        }
+        int32_t max_fill = layer->n_slots;
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            const uint64_t share = per_layer_bytes / layer->expert_bytes;
+            max_fill = share < (uint64_t) max_fill ? (int32_t) share : max_fill;
+        }
+        const int32_t n = preload_layer(pool, layer, max_fill);
+        n_read = n < 0 ? -1 : n_read + n;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return n_read;
+}
+
 int32_t empanel_remap(void * user, int32_t il, const int32_t * expert_ids, int64_t ids_row_stride,
                       int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     struct empanel_pool * pool = user;

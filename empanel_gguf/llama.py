@@ -9,6 +9,7 @@ sidecar. Outputs are bit-identical to the model fully in memory on the same buil
 """
 
 import sys
+import time
 
 from . import _native
 from ._native import native, use_our_libraries
@@ -112,8 +113,8 @@ class ExpertPools:
         out = ffi.new("struct empanel_layer_stats *")
         layers = {}
         total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
-                               "n_reads", "read_s", "write_s", "copy_bytes", "remap_s", "n_slots",
-                               "n_resident"), 0)
+                               "n_reads", "read_s", "write_s", "copy_bytes", "remap_s", "preloaded",
+                               "n_slots", "n_resident"), 0)
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
@@ -123,7 +124,7 @@ class ExpertPools:
                 "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
                 "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "write_s": out.write_ns / 1e9,
                 "copy_bytes": out.copy_bytes,
-                "remap_s": out.remap_ns / 1e9,
+                "remap_s": out.remap_ns / 1e9, "preloaded": out.preloaded,
                 "n_slots": out.n_slots, "n_resident": out.n_resident,
             }
             row["hit_rate"] = _rate(row["hits"], row["misses"])
@@ -145,6 +146,16 @@ class ExpertPools:
         out = np.empty(n, dtype=np.int32)
         got = self.n.sidecar.empanel_trace_take(self.pool, self.n.ffi.cast("int32_t *", out.ctypes.data), n)
         return out[:got]
+
+    def preload(self):
+        """Fill the empty slots with experts (lowest ids first) as far as slots and budget go;
+        the number of experts read. Raises MoeReadError if a read fails."""
+        n = self.n.sidecar.empanel_pool_preload(self.pool)
+        if n < 0:
+            message = self.error()
+            self.clear_error()
+            raise MoeReadError(f"preloading experts: {message}")
+        return n
 
     def reset_stats(self):
         self.n.sidecar.empanel_stats_reset(self.pool)
@@ -185,12 +196,16 @@ class Llama(llama_cpp.Llama):
             back to buffered reads with a notice where the file system refuses it).
         moe_trace: record every token's routed experts in every MoE layer (moe_take_trace()),
             with or without slot pools; outputs are unchanged.
+        moe_preload: read experts into the empty slots at load (lowest expert ids first, as far
+            as the slots and the g-lru budget go). None (default): only when every pool holds all
+            its layer's experts, so that such a load is resident from the first token like a
+            stock load; False: every expert is read on its first use.
         **kwargs: passed to llama_cpp.Llama unchanged. n_ubatch is capped so that a micro-batch
             never needs more distinct experts than a pool holds.
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy="lru", moe_io_threads=8,
-                 moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, **kwargs):
+                 moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None, **kwargs):
         self._experts = None
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)
         self.moe_policy = moe_policy
@@ -218,8 +233,12 @@ class Llama(llama_cpp.Llama):
         try:
             super().__init__(model_path, *args, **kwargs)
             experts.bind(self._model.model, self._ctx.ctx)
+            if plan is not None and (plan.holds_all if moe_preload is None else moe_preload):
+                _preload(experts, verbose)
         except BaseException:
             experts.clear_plan()
+            if hasattr(self, "_stack"):  # llama_cpp's part loaded: free it before the pools
+                super().close()
             experts.free()
             raise
         experts.clear_plan()
@@ -293,6 +312,14 @@ class Llama(llama_cpp.Llama):
             super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
+
+
+def _preload(experts, verbose):
+    t0 = time.perf_counter()
+    n = experts.preload()
+    total = experts.stats()["total"]
+    _notice(verbose, f"preloaded {n} experts ({total['bytes_read'] / 2**20:.1f} MiB) into the pools "
+                     f"in {time.perf_counter() - t0:.2f} s ({total['read_gbps']:.2f} GB/s)")
 
 
 def _auto_slots(index, kwargs, verbose):

@@ -731,14 +731,14 @@ def child_main(spec_path: str) -> int:
     if spec.get("warmup"):
         # like llama-bench, a warm-up run first (other text), so that the measured run sees the
         # steady state (warm pools / page cache), not the first reads after load: a prompt of up
-        # to warmup_tokens in n_batch pieces, then n_gen decoded tokens, within warmup_s seconds
+        # to warmup_tokens in pieces of n_prompt, then n_gen decoded tokens, within warmup_s seconds
         phase("warmup")
         w_prompt, w_trace = token_trace(llm, spec["warmup_tokens"], spec["n_gen"], WARMUP_TEXT)
         moe_w0 = _total(llm)
         t0 = time.perf_counter()
         n_pp = 0
         while n_pp < len(w_prompt):
-            piece = w_prompt[n_pp:n_pp + spec["n_batch"]]
+            piece = w_prompt[n_pp:n_pp + max(1, spec["n_prompt"])]
             llm.eval(piece)
             n_pp += len(piece)
             if time.perf_counter() - t0 > spec["warmup_s"]:

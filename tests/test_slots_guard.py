@@ -452,3 +452,64 @@ def test_three_prompts_with_reset_match_fresh_loads(fixture_dir):
         assert stats["hits"] > 0 and stats["misses"] > 0
     finally:
         llm.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. preload: pools that hold every expert are filled at load, like a stock load
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-q4_k", "gpt-oss"])
+def test_pools_of_every_expert_are_preloaded(fixture_dir, name):
+    path = model(fixture_dir, name)
+    index = load_index(path)
+    llm = Llama(str(path), moe_slots=index.n_expert, **KW)
+    try:
+        total = llm.moe_stats()["total"]
+        assert total["preloaded"] == index.n_expert * len(index.layers)
+        assert total["n_resident"] == total["n_slots"] == index.n_expert * len(index.layers)
+        assert total["bytes_read"] == index.expert_bytes_total  # each expert once
+        assert total["misses"] == 0
+        got, tokens = evaluate(llm, PROMPT, n_greedy=8)
+        assert llm.moe_stats()["total"]["misses"] == 0  # decoding reads nothing more
+        n_ubatch = llm.context_params.n_ubatch
+    finally:
+        llm.close()
+    ref, ref_tokens, _ = fresh(path, PROMPT, None, n_ubatch, n_greedy=8)
+    assert tokens == ref_tokens and np.array_equal(got, ref)
+
+
+def test_preload_off_reads_on_first_use(fixture_dir):
+    path = model(fixture_dir, "qwen3moe-q4_k")
+    index = load_index(path)
+    llm = Llama(str(path), moe_slots=index.n_expert, moe_preload=False, **KW)
+    try:
+        assert llm.moe_stats()["total"]["bytes_read"] == 0
+        evaluate(llm, PROMPT)
+        total = llm.moe_stats()["total"]
+        assert total["preloaded"] == 0 and total["misses"] > 0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "g-lru"])
+def test_preload_of_smaller_pools_stays_exact_and_in_budget(fixture_dir, policy):
+    path = model(fixture_dir, "qwen3moe-q8_0")
+    index = load_index(path)
+    k = index.n_expert_used
+    plan = plan_slots(index, 2 * k, policy)
+    llm = Llama(str(path), moe_slots=2 * k, moe_policy=policy, moe_preload=True, **KW)
+    try:
+        total = llm.moe_stats()["total"]
+        if policy == "g-lru":  # the shared budget, not every slot, in even shares per layer
+            assert total["bytes_read"] <= plan.budget_bytes
+            assert total["preloaded"] == 2 * k * len(index.layers)
+            assert all(row["n_resident"] == 2 * k for row in llm.moe_stats()["layers"].values())
+        else:
+            assert total["preloaded"] == total["n_resident"] == 2 * k * len(index.layers)
+        got, tokens = evaluate(llm, PROMPT, n_greedy=8)
+        assert llm.moe_stats()["total"]["hits"] > 0
+        n_ubatch = llm.context_params.n_ubatch
+    finally:
+        llm.close()
+    ref, ref_tokens, _ = fresh(path, PROMPT, None, n_ubatch, n_greedy=8)
+    assert tokens == ref_tokens and np.array_equal(got, ref)

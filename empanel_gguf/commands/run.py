@@ -55,6 +55,11 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use on/off)")
 
 
+def _auto_bool(text):
+    """'auto' -> None, else on/off as _bool."""
+    return None if str(text).strip().lower() == "auto" else _bool(text)
+
+
 def _gpu_layers(text):
     value = str(text).strip().lower()
     if value in ("all", "auto"):
@@ -146,6 +151,10 @@ def setup_arg_parser():
             help="KiB per expert read request")
     env_arg(parser, "--moe-direct-io", env="LLAMA_ARG_MOE_DIRECT_IO", type=_bool, default=True,
             metavar="on|off", help="read experts with O_DIRECT")
+    env_arg(parser, "--moe-preload", env="LLAMA_ARG_MOE_PRELOAD", type=_auto_bool, default=None,
+            metavar="auto|on|off", show_default="auto",
+            help="read experts into the empty slots at load; auto: only when the pools hold every "
+                 "expert")
     env_arg(parser, "-fa", "--flash-attn", env="LLAMA_ARG_FLASH_ATTN", type=_bool, default=False,
             metavar="on|off", help="flash attention")
     env_arg(parser, "--no-mmap", env="LLAMA_ARG_NO_MMAP", action="store_true", default=False,
@@ -428,7 +437,8 @@ def main(argv=None):
         with load_progress(name):
             if moe_slots is not None:
                 kwargs.update(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
-                              moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io)
+                              moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
+                              moe_preload=args.moe_preload)
             llm = Llama(model, moe_slots=moe_slots, **kwargs)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"empanel-gguf run: could not load {model}: {e}", file=sys.stderr)
