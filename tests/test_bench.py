@@ -1,13 +1,13 @@
-"""scripts/bench.py: the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
+"""empanel-gguf bench (empanel_gguf/bench.py, also scripts/bench.py): the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
 
 The smoke run skips every root-only step (no cgroup cap, no cache drop) and takes a few seconds:
 it checks the plumbing (children, JSON, rows), not speed.
 """
 
-import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,17 +15,15 @@ import gguf
 import numpy as np
 import pytest
 
-BENCH_PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+REPO = Path(__file__).resolve().parent.parent
 TINY = ["--layers", "2", "--experts", "16", "--top-k", "4", "--embd", "256", "--expert-ff", "256",
         "--heads", "4", "--heads-kv", "2", "--head-dim", "64"]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("empanel_bench", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    from empanel_gguf import bench as module
+
     return module
 
 
@@ -108,3 +106,12 @@ def test_smoke_run(bench, tiny_model, tmp_path):
     assert len(doc["samples"]) == 2
     assert all(len(s["tg"]["token_s"]) == 8 for s in doc["samples"])
     assert "| model" in doc["tables"]["main"] and "tg8" in doc["tables"]["main"]
+
+
+def test_command_and_script_reach_the_bench(tmp_path):
+    for argv in ([sys.executable, "-m", "empanel_gguf", "bench", "--help"],
+                 [sys.executable, str(REPO / "scripts" / "bench.py"), "--help"]):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "usage: empanel-gguf bench" in done.stdout and "--write-model" in done.stdout
