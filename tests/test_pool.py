@@ -110,7 +110,7 @@ def test_lfu_decay_keeps_the_frequent_expert(model_path):
                                                         (4, False, 3), (256, False, 8)])
 def test_reads_land_exactly_whatever_the_chunking(model_path, chunk_kb, direct_io, threads):
     llm = open_llm(model_path, moe_slots=16, moe_chunk_kb=chunk_kb, moe_direct_io=direct_io,
-                   moe_io_threads=threads)
+                   moe_io_threads=threads, moe_preload=False)  # 16 = every expert: read on demand
     try:
         d = Driver(llm)
         index = load_index(model_path)
