@@ -515,6 +515,7 @@ class Config:
     kind: str  # stock | stock-mmap | empanel
     moe_slots: object = None  # for empanel: what Llama(moe_slots=) gets
     readahead_kb: int | None = None  # stock-mmap-ra<KB>: read_ahead_kb during the run
+    moe_policy: str | None = None  # empanel-<slots>/<policy>: this run's moe_policy
 
     @property
     def key(self):
@@ -535,12 +536,18 @@ def parse_config(text: str, top_k: int) -> list[Config]:
     elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():
         kind, slots, ra = MMAP, None, int(name[len(MMAP) + 3:])
     elif name.startswith(EMPANEL + "-") and len(name) > len(EMPANEL) + 1:
-        value = name[len(EMPANEL) + 1:]
+        value, _, policy = name[len(EMPANEL) + 1:].partition("/")
         kind, ra = EMPANEL, None
         slots = top_k if value == "min" else int(value) if value.isdigit() else value
+        if policy:
+            from .llama import POLICIES
+
+            if policy not in POLICIES:
+                raise SystemExit(f"bench: config '{text}': policy '{policy}' is not one of {', '.join(POLICIES)}")
+            return [Config(name, c, kind, slots, ra, policy) for c in caps]
     else:
         raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
-                         "empanel-<N|P%|size|min>, each optionally @none or @cap")
+                         "empanel-<N|P%|size|min|auto>[/<policy>], each optionally @none or @cap")
     return [Config(name, c, kind, slots, ra) for c in caps]
 
 
@@ -850,7 +857,7 @@ def log(text):
 def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
     """One measured run of `cfg` in a child process; returns the sample."""
     a = bench.args
-    stem = f"{n:03d}-{cfg.name.replace('%', 'pct')}-{cfg.cap}-r{rep}"
+    stem = f"{n:03d}-{cfg.name.replace('%', 'pct').replace('/', '-')}-{cfg.cap}-r{rep}"
     spec_path = bench.log_dir / f"{stem}.spec.json"
     result_path = bench.log_dir / f"{stem}.result.json"
     log_path = bench.log_dir / f"{stem}.log"
@@ -861,7 +868,9 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         "model": str(bench.model_path), "kind": cfg.kind, "moe_slots": cfg.moe_slots,
         "n_prompt": a.n_prompt, "n_gen": a.n_gen, "n_ctx": a.n_ctx, "n_batch": a.n_batch,
         "n_ubatch": a.n_ubatch, "threads": a.threads, "max_tg_s": a.max_tg_s, "min_tg": a.min_tg,
-        "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s, "moe_opts": dict(a.moe_opt), "llama_opts": dict(a.llama_opt), "result": str(result_path),
+        "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
+        "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {})),
+        "llama_opts": dict(a.llama_opt), "result": str(result_path),
         "cgroup_procs": None,
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
     }
@@ -1049,6 +1058,7 @@ def build_rows(bench: Bench, configs: list[Config]) -> list[dict]:
         ok = [s for s in mine if s["status"] == "ok"]
         metrics = [sample_metrics(s) for s in ok]
         row = {"config": cfg.name, "cap": cfg.cap, "kind": cfg.kind, "moe_slots": cfg.moe_slots,
+               "moe_policy": cfg.moe_policy,
                "n_samples": len(mine), "n_ok": len(ok),
                "status": ("ok" if len(ok) == len(mine) else f"ok {len(ok)}/{len(mine)}") if ok else mine[0]["status"],
                "error": None if ok else mine[0].get("error")}
@@ -1289,7 +1299,9 @@ def targets(bench: Bench, rows) -> list[str]:
                          f"slot writes {fmt(row.get('tg_write_ms'), '.1f')}) + compute {fmt(row.get('tg_compute_ms'), '.1f')} ms "
                          f"(resident {fmt(resident_ms, '.1f')} ms);")
         try:
-            policy = dict(bench.args.moe_opt).get("moe_policy", "lru")
+            from .llama import DEFAULT_POLICY
+
+            policy = row.get("moe_policy") or dict(bench.args.moe_opt).get("moe_policy", DEFAULT_POLICY)
             pools = plan_slots(bench.index, row.get("moe_slots_resolved") or row["moe_slots"], policy).pool_bytes
         except Exception:  # noqa: BLE001  (a sizing error is reported, not raised)
             pools = None
@@ -1407,7 +1419,8 @@ def setup_arg_parser():
     g.add_argument("-ub", "--n-ubatch", type=int, default=512,
                    help="(default: 512; slot runs cap it so a micro-batch fits the pools)")
     g.add_argument("--configs", default=None,
-                   help="comma list of stock, stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min>; each "
+                   help="comma list of stock, stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min|auto>"
+                        "[/<moe_policy>]; each "
                         "runs uncapped and capped, or only as name@none / name@cap "
                         f"(default: {','.join(DEFAULT_CONFIGS)})".replace("%", "%%"))
     g.add_argument("--cap", type=float, default=0.4, help="memory cap as a share of the model file (default: 0.4)")

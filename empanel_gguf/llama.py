@@ -24,6 +24,7 @@ class MoeReadError(RuntimeError):
 
 
 POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # EMPANEL_POLICY_* in csrc/empanel.h
+DEFAULT_POLICY = "lru"
 
 
 class ExpertPools:
@@ -204,7 +205,7 @@ class Llama(llama_cpp.Llama):
             never needs more distinct experts than a pool holds.
     """
 
-    def __init__(self, model_path, *args, moe_slots=None, moe_policy="lru", moe_io_threads=8,
+    def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None, **kwargs):
         self._experts = None
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)

@@ -75,14 +75,15 @@ def test_written_model(bench, tiny_model):
 
 def test_smoke_run(bench, tiny_model, tmp_path):
     out = tmp_path / "bench.json"
-    argv = ["-m", str(tiny_model), "--configs", "stock,empanel-min", "-r", "1", "-p", "16", "-n", "8",
+    argv = ["-m", str(tiny_model), "--configs", "stock,empanel-min,empanel-min/lfu-decay", "-r", "1", "-p", "16", "-n", "8",
             "-t", "1", "--no-cap", "--no-cgroup", "--no-drop-caches", "--probe-s", "0.2",
             "--timeout", "120", "--json", str(out), "--log-dir", str(tmp_path / "logs")]
     assert bench.main(argv + ["--warmup-tokens", "24"]) == 0
     doc = json.loads(out.read_text())
 
     rows = {(r["config"], r["cap"]): r for r in doc["rows"]}
-    assert set(rows) == {("stock", "none"), ("empanel-min", "none")}
+    assert set(rows) == {("stock", "none"), ("empanel-min", "none"), ("empanel-min/lfu-decay", "none")}
+    assert rows[("empanel-min/lfu-decay", "none")]["moe_policy"] == "lfu-decay"
     for s in doc["samples"]:  # a warm-up on other text ran before the measured run
         assert s["warmup"]["pp"]["n"] == 24 and s["warmup"]["tg"]["n"] == 8
     assert doc["samples"][1]["warmup"]["moe"]["misses"] > 0
@@ -103,7 +104,8 @@ def test_smoke_run(bench, tiny_model, tmp_path):
     # forced trace: every arm decodes the same tokens
     assert slots["argmax_agree"].endswith("/8")
 
-    assert len(doc["samples"]) == 2
+    assert len(doc["samples"]) == 3
+    assert doc["samples"][2]["log"].endswith("empanel-min-lfu-decay-none-r1.log")
     assert all(len(s["tg"]["token_s"]) == 8 for s in doc["samples"])
     assert "| model" in doc["tables"]["main"] and "tg8" in doc["tables"]["main"]
 
