@@ -540,7 +540,7 @@ def parse_config(text: str, top_k: int) -> list[Config]:
         kind, ra = EMPANEL, None
         slots = top_k if value == "min" else int(value) if value.isdigit() else value
         if policy:
-            from .llama import POLICIES
+            from .sizing import POLICIES
 
             if policy not in POLICIES:
                 raise SystemExit(f"bench: config '{text}': policy '{policy}' is not one of {', '.join(POLICIES)}")
@@ -1299,7 +1299,7 @@ def targets(bench: Bench, rows) -> list[str]:
                          f"slot writes {fmt(row.get('tg_write_ms'), '.1f')}) + compute {fmt(row.get('tg_compute_ms'), '.1f')} ms "
                          f"(resident {fmt(resident_ms, '.1f')} ms);")
         try:
-            from .llama import DEFAULT_POLICY
+            from .sizing import DEFAULT_POLICY
 
             policy = row.get("moe_policy") or dict(bench.args.moe_opt).get("moe_policy", DEFAULT_POLICY)
             pools = plan_slots(bench.index, row.get("moe_slots_resolved") or row["moe_slots"], policy).pool_bytes

@@ -14,7 +14,7 @@ import time
 from . import _native
 from ._native import native, use_our_libraries
 from .index import load_index
-from .sizing import plan_slots
+from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
 llama_cpp = use_our_libraries()
 
@@ -23,14 +23,12 @@ class MoeReadError(RuntimeError):
     """Reading experts from the model file failed during a decode; nothing was returned."""
 
 
-POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # EMPANEL_POLICY_* in csrc/empanel.h
-DEFAULT_POLICY = "lru"
 
 
 class ExpertPools:
     """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
 
-    def __init__(self, index, plan, policy="lru", io_threads=8, chunk_kb=256, direct_io=True,
+    def __init__(self, index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True,
                  trace=False):
         self.index = index
         self.plan = plan
@@ -187,9 +185,10 @@ class Llama(llama_cpp.Llama):
             budget for all pools ("6GiB"), or "auto": every expert resident if the model fits in
             the available memory (minus a floor), else the most slots that fit. None: stock
             behaviour, every expert resident.
-        moe_policy: which expert a full pool evicts: "lru" (per layer, default), "lfu-decay"
-            (per layer), or "g-lru" (one budget for all layers, the least recent expert of any
-            layer goes; host pools take memory only for the experts they hold).
+        moe_policy: which expert a full pool evicts: "lfu-decay" (per layer, the least used,
+            counts halving over time; default), "lru" (per layer, the least recent), or "g-lru"
+            (one budget for all layers, the least recent expert of any layer goes; host pools
+            take memory only for the experts they hold).
         moe_io_threads: reader threads besides the decoding thread (default 8).
         moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
             all reader threads at once.

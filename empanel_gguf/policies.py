@@ -34,6 +34,8 @@ import heapq
 import math
 from collections import OrderedDict
 
+from .sizing import POLICIES as ENGINE_POLICY_IDS
+
 
 class CapacityError(ValueError):
     """A call routes to more distinct experts than a layer's pool holds."""
@@ -461,7 +463,7 @@ class Belady(_PerLayer):
 
 
 POLICIES = ("lru", "g-lru", "lfu", "lfu-decay", "slru", "arc", "belady")
-ENGINE_POLICIES = ("lru", "lfu-decay", "g-lru")  # what Llama(moe_policy=...) runs
+ENGINE_POLICIES = tuple(ENGINE_POLICY_IDS)  # what Llama(moe_policy=...) runs
 
 
 def make_policy(name, slots, *, expert_bytes=None, n_expert=None, n_expert_used=None):

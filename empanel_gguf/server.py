@@ -31,6 +31,7 @@ from typing import List, Optional
 
 from . import llama_cpp  # our libraries first
 from . import memory
+from .sizing import DEFAULT_POLICY
 from .llama import Llama as EmpanelLlama
 
 try:
@@ -60,9 +61,9 @@ class EmpanelModelSettings(ModelSettings):
                     "budget for all pools (6GiB), auto (pools only if the experts do not fit in "
                     "memory) or none. Unset: auto.")
     moe_policy: str = Field(
-        default="lru",
-        description="Which expert a full pool evicts: lru (per layer), lfu-decay (per layer) or "
-                    "g-lru (one budget for all layers).")
+        default=DEFAULT_POLICY,
+        description="Which expert a full pool evicts: lfu-decay (per layer, default), lru (per "
+                    "layer) or g-lru (one budget for all layers).")
     mem_floor: Optional[str] = Field(
         default=None,
         description="Memory to keep free (2GiB, 5%, 0 = no guard): a load whose estimate leaves "
@@ -126,7 +127,7 @@ class _LlamaCppWithSlots:
         return getattr(llama_cpp, name)
 
 
-def _llama_with_slots(moe_slots, moe_policy="lru"):
+def _llama_with_slots(moe_slots, moe_policy=DEFAULT_POLICY):
     class Llama(EmpanelLlama):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("moe_slots", moe_slots)
@@ -189,7 +190,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
                     "floor": memory.parse_floor(getattr(settings, "mem_floor", None))}
 
         saved = _model.llama_cpp
-        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots, getattr(settings, "moe_policy", "lru")))
+        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots, getattr(settings, "moe_policy", DEFAULT_POLICY)))
         try:
             llm = _model.LlamaProxy.load_llama_from_model_settings(settings)
         finally:

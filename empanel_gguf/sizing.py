@@ -24,6 +24,9 @@ _UNITS = {
 }
 
 
+POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # eviction policies: EMPANEL_POLICY_* in csrc/empanel.h
+DEFAULT_POLICY = "lfu-decay"  # measured: fewer misses than lru and g-lru (README, Performance)
+
 GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share
 UNCAPPED_UBATCH = 1 << 30  # max_ubatch of pools that hold every expert
 

@@ -175,6 +175,50 @@ def _rss(path, moe_slots, use_mmap, n_ubatch):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+_LOAD_PEAK_SCRIPT = """
+import json, sys
+from empanel_gguf import Llama
+llm = Llama(sys.argv[1], moe_slots=int(sys.argv[2]), moe_policy=sys.argv[3], moe_preload=False, n_ctx=64,
+            n_batch=64, n_threads=2, verbose=False)
+status = {}
+with open("/proc/self/status") as f:
+    for line in f:
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            status[key] = int(value.split()[0]) * 1024
+print(json.dumps(status))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("policy", ["lru", "g-lru"])
+def test_empty_pools_take_no_memory_even_while_loading(fixture_dir, policy):
+    """Pools are never written at load, in any buffer type (CPU_REPACK included): the peak RSS of
+    a load with half the experts in slots is that of a load with the minimum."""
+    # Q4_K experts: CPU_REPACK pools on x86 with AVX2 and on ARM (the layout stock picks)
+    spec = dataclasses.replace(fixtures.FIXTURES["qwen3moe-rss"], name="qwen3moe-rss-q4_k", n_ff_exp=256,
+                               expert_types=(), requantize_to="Q4_K")
+    path = fixture_dir / "qwen3moe-rss-q4_k.gguf"
+    if not path.exists():
+        fixtures.write_model(spec, path)
+    index = load_index(path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+    def peak(n_slots):
+        done = subprocess.run([sys.executable, "-c", _LOAD_PEAK_SCRIPT, str(path), str(n_slots), policy],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])["VmHWM"]
+
+    half = plan_slots(index, index.n_expert // 2, policy)
+    small = plan_slots(index, index.n_expert_used, policy)
+    pools_apart = half.capacity_bytes - small.capacity_bytes  # what touching the pools would add
+    assert pools_apart > 20 * 2**20
+    grown = peak(index.n_expert // 2) - peak(index.n_expert_used)
+    print(f"\npeak RSS at load: +{grown / 2**20:.1f} MiB for {pools_apart / 2**20:.1f} MiB more of pools")
+    assert grown < pools_apart / 4
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
 def test_rss_drops_by_the_experts_not_held(fixture_dir):
     path = model(fixture_dir, "qwen3moe-rss")

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..sizing import DEFAULT_POLICY, POLICIES
+
 # the built-in model: a small qwen3moe trained on Shakespeare (scripts/train_moe.py), shipped in
 # the package (models/PROVENANCE.md); where it is missing (a checkout without it), a tiny
 # random-weight fixture written into the cache instead (see fixtures.py)
@@ -141,10 +143,10 @@ def setup_arg_parser():
             help="expert slots per MoE layer: a count, a share of the experts, a budget for all "
                  "pools (6GiB), auto (slot pools only if the experts do not fit in memory), or "
                  "none (every expert resident)")
-    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default="lru",
-            choices=("lru", "lfu-decay", "g-lru"),
-            help="which expert a full pool evicts: lru and lfu-decay per layer, g-lru with one "
-                 "budget for all layers")
+    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default=DEFAULT_POLICY,
+            choices=tuple(POLICIES),
+            help="which expert a full pool evicts: lfu-decay (least used, decaying counts) and lru "
+                 "per layer, g-lru with one budget for all layers")
     env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
             help="expert reader threads")
     env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,

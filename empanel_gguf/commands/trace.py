@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..sizing import DEFAULT_POLICY, POLICIES
 from .run import DEFAULT_PROMPT, EXIT_MEMORY, add_memory_args, add_sampling_args, env_arg, note
 
 
@@ -56,8 +57,8 @@ def setup_arg_parser():
     env_arg(parser, "-ms", "--moe-slots", env="LLAMA_ARG_MOE_SLOTS", default="auto",
             metavar="N|P%|SIZE|auto|none",
             help="expert slots per MoE layer (auto: slot pools only if the experts do not fit in memory)")
-    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default="lru",
-            choices=("lru", "lfu-decay", "g-lru"), help="the engine's eviction policy")
+    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default=DEFAULT_POLICY,
+            choices=tuple(POLICIES), help="the engine's eviction policy")
     env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
             help="expert reader threads")
     add_sampling_args(parser, temp=0.0)
