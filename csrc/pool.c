@@ -439,6 +439,25 @@ static int trace_call(struct empanel_pool * pool, int32_t il, const int32_t * ex
     return 0;
 }
 
+// read experts layer->misses[0, n) into the claimed, empty slots layer->victims[0, n) and make
+// them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
+static int fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    if (empanel_read_experts(pool, layer, layer->misses, layer->victims, n) != 0) {
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            pool->resident_bytes -= (uint64_t) n * layer->expert_bytes;
+        }
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        layer->expert_in[layer->victims[i]] = layer->misses[i];
+        layer->slot_of[layer->misses[i]]    = layer->victims[i];
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            lru_push_recent(pool, layer->lru_base + layer->victims[i]);
+        }
+    }
+    return 0;
+}
+
 static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
                             int64_t ids_row_stride, int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     if (atomic_load(&pool->failed)) {
@@ -520,18 +539,8 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         note_use(layer, s, call);
         layer->victims[i] = s;
     }
-    if (n_miss > 0 && empanel_read_experts(pool, layer, layer->misses, layer->victims, n_miss) != 0) {
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            pool->resident_bytes -= (uint64_t) n_miss * layer->expert_bytes; // the victims stay empty
-        }
+    if (n_miss > 0 && fill_slots(pool, layer, n_miss) != 0) {
         return -1;
-    }
-    for (int32_t i = 0; i < n_miss; i++) {
-        layer->expert_in[layer->victims[i]] = layer->misses[i];
-        layer->slot_of[layer->misses[i]]    = layer->victims[i];
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            lru_push_recent(pool, layer->lru_base + layer->victims[i]);
-        }
     }
     layer->stats.misses += (uint64_t) n_miss;
 
@@ -551,6 +560,7 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
 // up to max_fill of one layer's empty slots, filled with the experts it lacks (lowest ids
 // first); the experts read
 static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * layer, int32_t max_fill) {
+    const uint64_t call = ++pool->call; // resident, least recent: the first victims of use
     int32_t n = 0;
     int32_t e = 0;
     for (int32_t s = 0; s < layer->n_slots && n < max_fill; s++) {
@@ -569,28 +579,13 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
             }
             pool->resident_bytes += layer->expert_bytes;
         }
+        note_use(layer, s, call);
         layer->misses[n]  = e++;
         layer->victims[n] = s;
         n++;
     }
-    if (n == 0) {
-        return 0;
-    }
-    if (empanel_read_experts(pool, layer, layer->misses, layer->victims, n) != 0) {
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            pool->resident_bytes -= (uint64_t) n * layer->expert_bytes; // the slots stay empty
-        }
+    if (n > 0 && fill_slots(pool, layer, n) != 0) {
         return -1;
-    }
-    const uint64_t call = ++pool->call; // resident, least recent: the first victims of use
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t s = layer->victims[i];
-        layer->expert_in[s]               = layer->misses[i];
-        layer->slot_of[layer->misses[i]] = s;
-        note_use(layer, s, call);
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            lru_push_recent(pool, layer->lru_base + s);
-        }
     }
     layer->stats.preloaded += (uint64_t) n;
     return n;

@@ -1257,7 +1257,7 @@ def kv_bytes(bench: Bench) -> int:
 
 def targets(bench: Bench, rows) -> list[str]:
     """Issue 4's targets, each measured or said why not."""
-    from empanel_gguf.sizing import plan_slots
+    from .sizing import DEFAULT_POLICY, plan_slots
 
     lines = []
     stock = _find(rows, STOCK, CAP_NONE)
@@ -1299,8 +1299,6 @@ def targets(bench: Bench, rows) -> list[str]:
                          f"slot writes {fmt(row.get('tg_write_ms'), '.1f')}) + compute {fmt(row.get('tg_compute_ms'), '.1f')} ms "
                          f"(resident {fmt(resident_ms, '.1f')} ms);")
         try:
-            from .sizing import DEFAULT_POLICY
-
             policy = row.get("moe_policy") or dict(bench.args.moe_opt).get("moe_policy", DEFAULT_POLICY)
             pools = plan_slots(bench.index, row.get("moe_slots_resolved") or row["moe_slots"], policy).pool_bytes
         except Exception:  # noqa: BLE001  (a sizing error is reported, not raised)

@@ -165,14 +165,17 @@ print(json.dumps(status))
 """
 
 
-def _rss(path, moe_slots, use_mmap, n_ubatch):
+def _child_json(script, *args):
+    """Run `script` in a fresh interpreter on this checkout; the JSON of its last output line."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(path), json.dumps(moe_slots), "1" if use_mmap else "0",
-         str(n_ubatch)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _rss(path, moe_slots, use_mmap, n_ubatch):
+    return _child_json(_RSS_SCRIPT, path, json.dumps(moe_slots), "1" if use_mmap else "0", n_ubatch)
 
 
 _LOAD_PEAK_SCRIPT = """
@@ -202,13 +205,9 @@ def test_empty_pools_take_no_memory_even_while_loading(fixture_dir, policy):
     if not path.exists():
         fixtures.write_model(spec, path)
     index = load_index(path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
     def peak(n_slots):
-        done = subprocess.run([sys.executable, "-c", _LOAD_PEAK_SCRIPT, str(path), str(n_slots), policy],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])["VmHWM"]
+        return _child_json(_LOAD_PEAK_SCRIPT, path, n_slots, policy)["VmHWM"]
 
     half = plan_slots(index, index.n_expert // 2, policy)
     small = plan_slots(index, index.n_expert_used, policy)
