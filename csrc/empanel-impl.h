@@ -22,6 +22,8 @@ struct empanel_tensor {
     void   * pool;          // ggml_tensor * [ne0, ne1, n_slots], set by empanel_pool_bind
     int      direct;        // slots are plain host memory: reads land in them directly
     uint8_t * host;         // the pool's host memory (any layout), or NULL (device memory)
+    int32_t * held;         // [n_slots] expert whose bytes this tensor's slot holds, -1 if none
+                            // (or being read); equals the layer's expert_in outside of waves
 };
 
 struct empanel_layer {
@@ -40,6 +42,24 @@ struct empanel_layer {
     int32_t  * misses;      // [n_expert] scratch: the current call's misses
     int32_t  * victims;     // [n_expert] scratch: the slots they go to
     uint32_t * uses;        // [n_slots]  LFU counts (halved every n_slots remaps)
+    uint64_t   n_batches;   // micro-batches remapped: the LFU decay clock (stats resets leave it)
+    int32_t  * distinct;    // [n_expert] scratch: the micro-batch's distinct experts
+    uint64_t * wave_mark;   // [n_slots]  wave (stamp) that claimed the slot while planning
+    uint64_t   wave_stamp;  // waves planned so far
+
+    // the waves of the current micro-batch (remap calls with a pool tensor); expert_in/slot_of
+    // already say where every expert is at the end of it
+    int        plan_open;           // some tensor has waves of this plan still to run
+    int32_t    plan_waves;          // waves the plan fills (the graph may run more, empty ones)
+    int32_t    plan_graph_waves;    // waves the graph runs
+    int32_t    plan_next[EMPANEL_MAX_TENSORS]; // next wave of each tensor
+    int32_t  * plan_wave;           // [n_expert] wave of each expert of the micro-batch, else -1
+    int32_t  * plan_slot;           // [n_expert] the slot it is in during its wave
+    int32_t  * plan_order;          // [n_expert] the micro-batch's experts, wave by wave
+    int32_t  * plan_begin;          // [n_expert + 2] index in plan_order of each wave's first
+    int32_t  * plan_ids;            // [plan_ids_cap] the micro-batch's expert ids (its calls' key)
+    int64_t    plan_n_ids;
+    int64_t    plan_ids_cap;
 
     struct empanel_layer_stats stats;
 };
@@ -55,7 +75,7 @@ struct empanel_file {
 
 // one expert tensor of one missing expert on its way into its slot
 struct empanel_read_job {
-    const struct empanel_tensor * tensor;
+    struct empanel_tensor * tensor;
     int32_t    expert;
     int32_t    slot;
     uint8_t  * dst;         // the slot itself (direct) or staging
@@ -89,6 +109,7 @@ struct empanel_reader {
     pthread_cond_t  cond_done;    // the last chunk of the batch finished
     uint64_t        generation;   // batches posted so far
     int             stop;
+    uint64_t        done_ns;      // when the last chunk of the batch finished
 
     struct empanel_pool        * pool;
     struct empanel_read_job    * jobs;
@@ -118,6 +139,15 @@ struct empanel_pool {
     uint8_t                 * staging;       // pinned host memory of a device pool's device, if any
     uint64_t                  staging_size;
     void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
+
+    // the batch of reads in flight (posted, not finished): at most one
+    int                       inflight;
+    struct empanel_layer    * inflight_layer;
+    int32_t                   inflight_jobs;
+    int32_t                   inflight_chunks;
+    uint64_t                  inflight_payload;
+    uint64_t                  inflight_io_bytes;
+    uint64_t                  inflight_t0;
 
     char notice[256];
 
@@ -151,9 +181,16 @@ void     empanel_files_close (struct empanel_pool * pool);
 int      empanel_files_check (struct empanel_pool * pool);
 int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);
-// read n_misses experts of a layer into their slots (misses[i] -> slots[i]); 0, or -1 with the
-// error recorded
+// read n_misses experts of a layer into their slots (misses[i] -> slots[i]), every tensor of the
+// layer; 0, or -1 with the error recorded
 int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
                               const int32_t * misses, const int32_t * slots, int32_t n_misses);
+// start reading n experts of one tensor (index in layer->tensors) into their slots and return;
+// the batch is in flight until empanel_read_finish. 0, or -1 with the error recorded
+int      empanel_read_post   (struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
+                              const int32_t * experts, const int32_t * slots, int32_t n);
+// wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
+// is none or it succeeded, -1 if a read failed (its slots then hold nothing)
+int      empanel_read_finish (struct empanel_pool * pool);
 uint64_t empanel_now_ns(void);
 void     empanel_staging_free(struct empanel_pool * pool);

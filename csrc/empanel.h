@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 4
+#define EMPANEL_SIDECAR_VERSION 5
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -62,6 +62,9 @@ struct empanel_layer_stats {
     uint64_t write_ns;     // wall time copying experts into device slots after the reads
     uint64_t copy_bytes;   // bytes copied host -> device into slots
     uint64_t remap_ns;     // time the graph waited in remap (lookups + reads + writes)
+    uint64_t wait_ns;      // time the graph waited for reads (read_ns minus wait_ns: reads hidden
+                           // behind compute, read while the previous wave computed)
+    uint64_t n_waves;      // waves over all micro-batches (n_waves / n_remaps: waves per micro-batch)
     uint64_t preloaded;    // experts read by empanel_pool_preload (in bytes_read, not in misses)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
@@ -92,10 +95,18 @@ EMPANEL_API void empanel_pool_free(struct empanel_pool * pool);
 EMPANEL_API int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * pool_tensor);
 
 // the remap hook (llama_empanel_remap_fn): expert ids of one micro-batch -> slot ids, reading the
-// missing experts first. Returns 0, or -1 after recording the failure (see empanel_pool_failed).
+// missing experts first. pool_tensor NULL: for all the layer's pools at once (the micro-batch fits
+// them); else wave `wave` of `n_waves` of that pool tensor: the micro-batch's distinct experts are
+// split into waves that fit half the pool each (planned at the layer's first call for the
+// micro-batch), pairs of other waves get -1, and the next wave's experts are read while this one
+// computes. Each expert is read at most once per micro-batch. Returns 0, or -1 after recording
+// the failure (see empanel_pool_failed).
 EMPANEL_API int32_t empanel_remap(
         void          * pool,
         int32_t         il,
+        const void    * pool_tensor,
+        int32_t         wave,
+        int32_t         n_waves,
         const int32_t * expert_ids,
         int64_t         ids_row_stride,
         int32_t       * slot_ids,

@@ -6,7 +6,9 @@
 // as an aligned window into the thread's bounce buffer and its payload copied into place (GGUF
 // data is only 32-byte aligned). Pools in plain host memory receive the bytes in their slots
 // directly; others (CPU_REPACK, device memory) get them from a staging buffer through
-// llama_empanel_slot_write once the batch is read.
+// llama_empanel_slot_write (CPU_REPACK: by the thread that lands an expert's last chunk; device
+// memory: once the batch is read). A batch may stay in flight while the graph computes (the next
+// wave's experts): empanel_read_post starts it, empanel_read_finish waits for it.
 
 #include "empanel-impl.h"
 
@@ -194,6 +196,7 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         }
         if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
             pthread_mutex_lock(&reader->mutex);
+            reader->done_ns = empanel_now_ns();
             pthread_cond_broadcast(&reader->cond_done);
             pthread_mutex_unlock(&reader->mutex);
         }
@@ -311,25 +314,30 @@ void empanel_reader_stop(struct empanel_pool * pool) {
     reader->pool = NULL;
 }
 
-// post the chunks, read alongside the threads, and return when every chunk is done
-static void reader_run(struct empanel_pool * pool, struct empanel_read_job * jobs,
-                       const struct empanel_chunk * chunks, int32_t n_chunks) {
+// post the chunks to the reader threads
+static void reader_post(struct empanel_pool * pool, struct empanel_read_job * jobs,
+                        const struct empanel_chunk * chunks, int32_t n_chunks) {
     struct empanel_reader * reader = &pool->reader;
     pthread_mutex_lock(&reader->mutex);
     reader->jobs     = jobs;
     reader->chunks   = chunks;
     reader->n_chunks = n_chunks;
+    reader->done_ns  = 0;
     atomic_store(&reader->next, 0);
     atomic_store(&reader->done, 0);
     reader->generation++;
     pthread_cond_broadcast(&reader->cond_work);
     pthread_mutex_unlock(&reader->mutex);
+}
 
+// read the posted batch's chunks alongside the threads and return when every chunk is done
+static void reader_finish(struct empanel_pool * pool) {
+    struct empanel_reader * reader = &pool->reader;
     work_batch(reader, reader->bounce[reader->n_threads]);
 
     // every chunk done, and no thread still inside work_batch (it reads the batch's fields)
     pthread_mutex_lock(&reader->mutex);
-    while (atomic_load(&reader->done) < n_chunks || atomic_load(&reader->busy) > 0) {
+    while (atomic_load(&reader->done) < reader->n_chunks || atomic_load(&reader->busy) > 0) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
     pthread_mutex_unlock(&reader->mutex);
@@ -403,83 +411,140 @@ static int32_t chunks_per_job(const struct empanel_reader * reader, uint64_t siz
     return (int32_t) ((size + 2*EMPANEL_ALIGN) / reader->chunk_bytes + 2);
 }
 
-int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
-                         const int32_t * misses, const int32_t * slots, int32_t n_misses) {
-    struct empanel_reader * reader = &pool->reader;
-    const int32_t n_tensors = layer->n_tensors;
-
-    // staging for the tensors whose pools take no direct reads; a group of misses fits in it
-    uint64_t staged_per_expert = 0;
-    int32_t  max_chunks_per_expert = 0;
-    for (int32_t i = 0; i < n_tensors; i++) {
+// bytes of staging one expert of tensors [t0, t1) takes (those whose pools take no direct reads),
+// and the most chunks it is cut into
+static void expert_needs(const struct empanel_reader * reader, const struct empanel_layer * layer,
+                         int32_t t0, int32_t t1, uint64_t * staged, int32_t * max_chunks) {
+    *staged     = 0;
+    *max_chunks = 0;
+    for (int32_t i = t0; i < t1; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
-        if (t->pool == NULL) {
-            empanel_set_error(pool, "%s: no slot pool bound", t->name);
+        *staged     += t->direct ? 0 : t->expert_size;
+        *max_chunks += chunks_per_job(reader, t->expert_size);
+    }
+}
+
+// plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer; nothing
+// may be in flight. Their slots hold nothing until empanel_read_finish succeeds.
+static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t t0, int32_t t1,
+                      const int32_t * experts, const int32_t * slots, int32_t n) {
+    struct empanel_reader * reader = &pool->reader;
+    if (pool->inflight) {
+        empanel_set_error(pool, "empanel: reads posted while others are in flight");
+        return -1;
+    }
+    for (int32_t i = t0; i < t1; i++) {
+        if (layer->tensors[i].pool == NULL) {
+            empanel_set_error(pool, "%s: no slot pool bound", layer->tensors[i].name);
             return -1;
         }
-        staged_per_expert     += t->direct ? 0 : t->expert_size;
-        max_chunks_per_expert += chunks_per_job(reader, t->expert_size);
     }
+    uint64_t staged_per_expert;
+    int32_t  max_chunks_per_expert;
+    expert_needs(reader, layer, t0, t1, &staged_per_expert, &max_chunks_per_expert);
+    if (reserve(pool, n * (t1 - t0), n * max_chunks_per_expert, staged_per_expert * (uint64_t) n) != 0) {
+        empanel_set_error(pool, "empanel: out of memory for reading %d experts", n);
+        return -1;
+    }
+
+    int32_t  n_jobs   = 0;
+    int32_t  n_chunks = 0;
+    uint64_t staged   = 0;
+    uint64_t io_bytes = 0;
+    uint64_t payload  = 0;
+    for (int32_t m = 0; m < n; m++) {
+        for (int32_t i = t0; i < t1; i++) {
+            struct empanel_tensor * t = &layer->tensors[i];
+            struct empanel_read_job * job = &pool->jobs[n_jobs];
+            job->tensor  = t;
+            job->expert  = experts[m];
+            job->slot    = slots[m];
+            job->dst     = llama_empanel_slot_data(t->pool, slots[m]);
+            job->convert = 0;
+            if (!t->direct || job->dst == NULL) {
+                job->dst     = pool->staging + staged;
+                job->convert = t->host != NULL ? 1 : 2;
+                staged      += t->expert_size;
+            }
+            t->held[slots[m]] = -1; // being written
+            n_chunks += plan_chunks(reader, job, n_jobs, pool->chunks + n_chunks, &io_bytes);
+            payload  += t->expert_size;
+            n_jobs++;
+        }
+    }
+
+    pool->inflight          = 1;
+    pool->inflight_layer    = layer;
+    pool->inflight_jobs     = n_jobs;
+    pool->inflight_chunks   = n_chunks;
+    pool->inflight_payload  = payload;
+    pool->inflight_io_bytes = io_bytes;
+    pool->inflight_t0       = empanel_now_ns();
+    reader_post(pool, pool->jobs, pool->chunks, n_chunks);
+    return 0;
+}
+
+int empanel_read_post(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
+                      const int32_t * experts, const int32_t * slots, int32_t n) {
+    return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n) : 0;
+}
+
+int empanel_read_finish(struct empanel_pool * pool) {
+    if (!pool->inflight) {
+        return 0;
+    }
+    const uint64_t t0 = empanel_now_ns();
+    reader_finish(pool);
+    const uint64_t t1 = empanel_now_ns();
+    pool->inflight = 0;
+
+    struct empanel_layer * layer = pool->inflight_layer;
+    if (atomic_load(&pool->failed)) {
+        return -1; // the batch's slots stay marked as holding nothing
+    }
+    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
+        if (pool->jobs[j].convert != 2) {
+            continue;
+        }
+        if (convert_job(pool, &pool->jobs[j]) != 0) {
+            return -1; // device pools: written here, between the reads and the next kernel
+        }
+        layer->stats.copy_bytes += pool->jobs[j].tensor->expert_size;
+    }
+    if (atomic_load(&pool->failed)) {
+        return -1; // a reader thread's conversion failed
+    }
+    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
+        const struct empanel_read_job * job = &pool->jobs[j];
+        job->tensor->held[job->slot] = job->expert;
+    }
+    const uint64_t done = pool->reader.done_ns > pool->inflight_t0 ? pool->reader.done_ns : t1;
+    layer->stats.read_ns    += (done < t1 ? done : t1) - pool->inflight_t0;
+    layer->stats.wait_ns    += t1 - t0;
+    layer->stats.write_ns   += empanel_now_ns() - t1;
+    layer->stats.bytes_read += pool->inflight_payload;
+    layer->stats.io_bytes   += pool->inflight_io_bytes;
+    layer->stats.n_reads    += (uint64_t) pool->inflight_chunks;
+    return 0;
+}
+
+int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
+                         const int32_t * misses, const int32_t * slots, int32_t n_misses) {
+    // a group of misses fits in the staging
+    uint64_t staged_per_expert;
+    int32_t  max_chunks_per_expert;
+    expert_needs(&pool->reader, layer, 0, layer->n_tensors, &staged_per_expert, &max_chunks_per_expert);
     int32_t group = n_misses;
     if (staged_per_expert > 0 && staged_per_expert * (uint64_t) group > EMPANEL_STAGING) {
         group = (int32_t) (EMPANEL_STAGING / staged_per_expert);
         group = group > 0 ? group : 1;
     }
-    if (reserve(pool, group * n_tensors, group * max_chunks_per_expert, staged_per_expert * group) != 0) {
-        empanel_set_error(pool, "empanel: out of memory for reading %d experts", group);
-        return -1;
-    }
-
     for (int32_t g0 = 0; g0 < n_misses; g0 += group) {
-        const int32_t g1 = g0 + group < n_misses ? g0 + group : n_misses;
-        int32_t  n_jobs   = 0;
-        int32_t  n_chunks = 0;
-        uint64_t staged   = 0;
-        uint64_t io_bytes = 0;
-        uint64_t payload  = 0;
-        for (int32_t m = g0; m < g1; m++) {
-            for (int32_t i = 0; i < n_tensors; i++) {
-                const struct empanel_tensor * t = &layer->tensors[i];
-                struct empanel_read_job * job = &pool->jobs[n_jobs];
-                job->tensor = t;
-                job->expert = misses[m];
-                job->slot   = slots[m];
-                job->dst     = llama_empanel_slot_data(t->pool, slots[m]);
-                job->convert = 0;
-                if (!t->direct || job->dst == NULL) {
-                    job->dst     = pool->staging + staged;
-                    job->convert = t->host != NULL ? 1 : 2;
-                    staged      += t->expert_size;
-                }
-                n_chunks += plan_chunks(reader, job, n_jobs, pool->chunks + n_chunks, &io_bytes);
-                payload  += t->expert_size;
-                n_jobs++;
-            }
-        }
-
-        const uint64_t t0 = empanel_now_ns();
-        reader_run(pool, pool->jobs, pool->chunks, n_chunks);
-        const uint64_t t1 = empanel_now_ns();
-        if (atomic_load(&pool->failed)) {
+        const int32_t n = g0 + group < n_misses ? group : n_misses - g0;
+        if (post_batch(pool, layer, 0, layer->n_tensors, misses + g0, slots + g0, n) != 0 ||
+            empanel_read_finish(pool) != 0) {
             return -1;
         }
-        for (int32_t j = 0; j < n_jobs; j++) {
-            if (pool->jobs[j].convert != 2) {
-                continue;
-            }
-            if (convert_job(pool, &pool->jobs[j]) != 0) {
-                return -1; // device pools: written here, between the reads and the next kernel
-            }
-            layer->stats.copy_bytes += pool->jobs[j].tensor->expert_size;
-        }
-        if (atomic_load(&pool->failed)) {
-            return -1; // a reader thread's conversion failed
-        }
-        layer->stats.read_ns    += t1 - t0;
-        layer->stats.write_ns   += empanel_now_ns() - t1;
-        layer->stats.bytes_read += payload;
-        layer->stats.io_bytes   += io_bytes;
-        layer->stats.n_reads    += (uint64_t) n_chunks;
     }
     return 0;
 }

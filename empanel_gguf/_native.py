@@ -139,7 +139,7 @@ def _cdef_from_header(text):
 
 # the parts of libllama's C API (llama.h, llama-empanel.h) that the sidecar is wired up with
 _LLAMA_CDEF = """
-typedef int32_t (*llama_empanel_remap_fn)(void *, int32_t, const int32_t *, int64_t, int32_t *, int32_t, int32_t);
+typedef int32_t (*llama_empanel_remap_fn)(void *, int32_t, const void *, int32_t, int32_t, const int32_t *, int64_t, int32_t *, int32_t, int32_t);
 void    llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empanel_remap_fn remap, void * user);
 void    llama_empanel_clear_plan(void);
 int32_t llama_empanel_n_pools(const void * model);

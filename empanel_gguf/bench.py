@@ -1017,6 +1017,11 @@ def sample_metrics(s: dict) -> dict:
             if "write_s" in moe:
                 m[f"{ph}_write_ms"] = 1000 * moe["write_s"] / n
             m[f"{ph}_compute_ms"] = 1000 * (sec - moe.get("remap_s", 0)) / n
+            remaps = moe.get("n_remaps", 0)
+            m[f"{ph}_waves"] = moe.get("n_waves", 0) / remaps if remaps else None  # per layer, micro-batch
+            m[f"{ph}_read_bytes"] = moe.get("bytes_read", 0)
+            m[f"{ph}_hidden_pct"] = (100 * max(0.0, read_s - moe.get("wait_s", 0)) / read_s
+                                     if read_s else None)  # reads done while the graph computed
         else:
             m[f"{ph}_read_per_tok"] = m[f"{ph}_io_per_tok"]
             m[f"{ph}_compute_ms"] = 1000 * sec / n if n else None
@@ -1222,7 +1227,8 @@ def details_table(bench: Bench, rows) -> str:
     run right after load, before the measured one."""
     headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
                "write ms", "wait ms", "compute ms", "disk GB/s busy", "disk busy %", "ceiling t/s",
-               "reader % drive", "others' CPU %", "argmax = stock"]
+               "reader % drive", "others' CPU %", "argmax = stock", "pp waves", "pp read", "pp hidden %",
+               "pp wait ms"]
     out = []
     for row in rows:
         status = row["status"] if row["status"].startswith("ok") else (row.get("error") or row["status"])[:40]
@@ -1232,7 +1238,9 @@ def details_table(bench: Bench, rows) -> str:
                     fmt(row.get("tg_read_ms"), ".1f"), fmt(row.get("tg_write_ms"), ".1f"),
                     fmt(row.get("tg_wait_ms"), ".1f"), fmt(row.get("tg_compute_ms"), ".1f"),
                     fmt(row.get("tg_dev_gbps")), fmt(row.get("tg_dev_busy_pct"), ".0f"), fmt(row.get("ceiling_tps")), fmt(row.get("reader_pct_drive"), ".0f"),
-                    fmt(row.get("others_cpu_pct"), ".0f"), row.get("argmax_agree", "-")])
+                    fmt(row.get("others_cpu_pct"), ".0f"), row.get("argmax_agree", "-"),
+                    fmt(row.get("pp_waves"), ".1f"), fmt_bytes(row.get("pp_read_bytes")),
+                    fmt(row.get("pp_hidden_pct"), ".0f"), fmt(row.get("pp_wait_ms"), ".1f")])
     return markdown(headers, out)
 
 

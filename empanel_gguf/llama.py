@@ -111,17 +111,18 @@ class ExpertPools:
         ffi = self.n.ffi
         out = ffi.new("struct empanel_layer_stats *")
         layers = {}
-        total = dict.fromkeys(("n_remaps", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
-                               "n_reads", "read_s", "write_s", "copy_bytes", "remap_s", "preloaded",
-                               "n_slots", "n_resident"), 0)
+        total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
+                               "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
+                               "preloaded", "n_slots", "n_resident"), 0)
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
             self.n.sidecar.empanel_stats_get(self.pool, il, out)
             row = {
-                "n_remaps": out.n_remaps, "n_ids": out.n_ids, "hits": out.hits,
+                "n_remaps": out.n_remaps, "n_waves": out.n_waves, "n_ids": out.n_ids, "hits": out.hits,
                 "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
-                "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "write_s": out.write_ns / 1e9,
+                "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "wait_s": out.wait_ns / 1e9,
+                "write_s": out.write_ns / 1e9,
                 "copy_bytes": out.copy_bytes,
                 "remap_s": out.remap_ns / 1e9, "preloaded": out.preloaded,
                 "n_slots": out.n_slots, "n_resident": out.n_resident,
@@ -134,6 +135,9 @@ class ExpertPools:
         total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
         total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
         total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0
+        # waves per micro-batch and layer; reads done while the graph computed (overlap)
+        total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
+        total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
         return {"layers": layers, "total": total}
 
     def take_trace(self):
@@ -200,8 +204,9 @@ class Llama(llama_cpp.Llama):
             as the slots and the g-lru budget go). None (default): only when every pool holds all
             its layer's experts, so that such a load is resident from the first token like a
             stock load; False: every expert is read on its first use.
-        **kwargs: passed to llama_cpp.Llama unchanged. n_ubatch is capped so that a micro-batch
-            never needs more distinct experts than a pool holds.
+        **kwargs: passed to llama_cpp.Llama unchanged. A micro-batch whose experts exceed the
+            pools runs in waves that fit them (CPU builds); builds with a GPU backend cap n_ubatch
+            so that a micro-batch never needs more distinct experts than a pool holds.
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
@@ -250,14 +255,16 @@ class Llama(llama_cpp.Llama):
         """Slots per layer; caps kwargs["n_ubatch"] so that a micro-batch fits the pools."""
         if moe_policy not in POLICIES:
             raise ValueError(f"moe_policy={moe_policy!r}: one of {', '.join(POLICIES)}")
-        plan = plan_slots(index, moe_slots, moe_policy)
+        from .memory import waves_supported
+
+        plan = plan_slots(index, moe_slots, moe_policy, waves=waves_supported())
         for text in plan.notices:
             _notice(verbose, text)
         n_ubatch = kwargs.get("n_ubatch", 512)
-        if n_ubatch > plan.max_ubatch:
+        if n_ubatch > plan.max_ubatch:  # a build whose pools cannot run waves
             _notice(verbose, f"n_ubatch {n_ubatch} -> {plan.max_ubatch}: a micro-batch of T tokens "
                              f"needs up to T x {plan.n_expert_used} distinct experts per layer, and a "
-                             f"pool holds {plan.min_slots}")
+                             f"pool holds {plan.min_slots} (this build has a GPU backend: no waves)")
             kwargs["n_ubatch"] = plan.max_ubatch
         if plan.budget_bytes:
             _notice(verbose, f"g-lru: {plan.budget_bytes / 2**20:.1f} MiB of experts shared by "

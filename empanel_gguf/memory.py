@@ -212,6 +212,12 @@ def _supports_gpu_offload():
         return False
 
 
+def waves_supported():
+    """Micro-batches larger than the pools run in waves: builds without a GPU backend (the CPU
+    kernels skip the pairs of other waves). With one, micro-batches are capped to fit the pools."""
+    return not _supports_gpu_offload()
+
+
 # ---------------------------------------------------------------------------------------------
 # what the machine has
 
@@ -439,7 +445,7 @@ def max_slots_that_fit(index, budget, params):
     lo, hi = index.n_expert_used, index.n_expert
 
     def fits(n):
-        return estimate(index, plan_slots(index, n), **params).host <= budget
+        return estimate(index, plan_slots(index, n, waves=waves_supported()), **params).host <= budget
 
     if not fits(lo):
         return 0
@@ -515,7 +521,7 @@ def preflight(index, moe_slots, *, n_ctx, n_batch=512, n_ubatch=512, n_gpu_layer
         notes.append(f"{Path(index.path).name} has no routed experts; --moe-slots ignored")
         moe_slots = None
 
-    plan = plan_slots(index, moe_slots) if moe_slots is not None else None
+    plan = plan_slots(index, moe_slots, waves=waves_supported()) if moe_slots is not None else None
     est = estimate(index, plan, **kwargs)
     notes += est.notes
     check(est, index, plan, available=available, floor=floor, force=force, what=what)

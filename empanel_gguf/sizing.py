@@ -45,6 +45,7 @@ class SlotPlan:
     budget_bytes: int = 0    # g-lru: the shared budget (= pool_bytes); 0 for per-layer policies
     capacity_bytes: int = 0  # bytes of all pools' slots (above pool_bytes for g-lru)
     holds_all: bool = False  # every layer's pool (and budget) holds all its experts
+    waves: bool = True       # micro-batches larger than the pools run in waves (no cap)
 
     @property
     def min_slots(self):
@@ -52,10 +53,12 @@ class SlotPlan:
 
     @property
     def max_ubatch(self):
-        """Largest micro-batch whose distinct experts always fit every layer's pool: each token
-        routes to n_expert_used experts, so T tokens need at most T * n_expert_used slots.
-        Pools that hold every expert fit any micro-batch: no cap (UNCAPPED_UBATCH)."""
-        if self.holds_all:
+        """Largest micro-batch the pools admit. With waves (CPU builds) any: its distinct experts
+        are split into waves that fit (UNCAPPED_UBATCH). Without (builds with a GPU backend), one
+        whose distinct experts always fit every layer's pool: each token routes to n_expert_used
+        experts, so T tokens need at most T * n_expert_used slots. Pools that hold every expert
+        fit any micro-batch."""
+        if self.holds_all or self.waves:
             return UNCAPPED_UBATCH
         return max(1, self.min_slots // self.n_expert_used)
 
@@ -68,8 +71,9 @@ def parse_size(text):
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def plan_slots(index, moe_slots, policy="lru"):
-    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`."""
+def plan_slots(index, moe_slots, policy="lru", waves=True):
+    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`; `waves`:
+    the build runs micro-batches larger than the pools in waves (memory.waves_supported())."""
     layers = index.layers
     if not layers:
         raise SlotsError(f"{index.path}: no MoE layer with routed experts; moe_slots does not apply")
@@ -97,7 +101,7 @@ def plan_slots(index, moe_slots, policy="lru"):
     return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k, pool_bytes=pool_bytes,
                     notices=notices, budget_bytes=pool_bytes if policy == "g-lru" else 0,
                     capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers),
-                    holds_all=wanted >= n_expert)
+                    holds_all=wanted >= n_expert, waves=waves)
 
 
 def _wanted_slots(index, moe_slots):

@@ -95,7 +95,9 @@ def test_smoke_run(bench, tiny_model, tmp_path):
         assert row["peak_rss"] > 10 * 2**20
 
     slots = rows[("empanel-min", "none")]
-    assert slots["n_ubatch"] == 1  # 4 slots, top-4: one token per micro-batch
+    # 4 slots, top-4: no cap, the prompt runs in waves (2 experts each: half the pool)
+    assert slots["n_ubatch"] == rows[("stock", "none")]["n_ubatch"]
+    assert slots["pp_waves"] > 1
     assert slots["slots_per_layer"] == 4
     assert 0.0 <= slots["tg_hit"] <= 1.0
     expert_bytes = doc["model"]["expert_bytes"][0]

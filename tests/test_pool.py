@@ -36,7 +36,7 @@ class Driver:
         n_used = len(rows[0])
         ids = ffi.new("int32_t[]", [e for row in rows for e in row])
         slots = ffi.new("int32_t[]", len(rows) * n_used)
-        rc = self.n.sidecar.empanel_remap(self.pool, layer, ids, n_used, slots, n_used, len(rows))
+        rc = self.n.sidecar.empanel_remap(self.pool, layer, self.n.ffi.NULL, 0, 1, ids, n_used, slots, n_used, len(rows))
         if rc != 0:
             return None
         return [[slots[t * n_used + j] for j in range(n_used)] for t in range(len(rows))]

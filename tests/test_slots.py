@@ -1,8 +1,9 @@
-"""Exactness of the slot pools: logits and greedy tokens equal, bit for bit, the same build with
-every expert resident (moe_slots=None) at the same micro-batch size.
+"""Exactness of the slot pools: logits and greedy tokens equal, bit for bit, stock llama.cpp
+(moe_slots=None) with its own defaults, micro-batch included.
 
-Slot runs cap n_ubatch (a micro-batch must fit its pools), and llama.cpp's kernels differ by batch
-size, so each baseline runs with the n_ubatch the slot run used.
+No micro-batch cap: a micro-batch whose tokens route to more distinct experts than a pool holds
+runs in waves (each wave's experts resident, its pairs computed by the same kernels, written into
+one output), so every run uses llama-cpp-python's default n_batch / n_ubatch (512) like stock.
 """
 
 import numpy as np
@@ -15,7 +16,11 @@ from empanel_gguf.sizing import UNCAPPED_UBATCH, plan_slots
 
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 OTHER_PROMPTS = (b"Once upon a time in a land far away", b"1, 2, 3, 4, 5, 6, 7, 8")
-N_GREEDY = 32
+N_GREEDY = 16
+PROMPT_LENGTHS = (1, 9, 100, 700)  # 700: more than one micro-batch and more than n_batch (512)
+LONG_TEXT = b" ".join(b"%d: the %s fox and the %s dog, seen %d times." % (i, b"quick" if i % 3 else b"slow",
+                      b"lazy" if i % 2 else b"old", i * 7) for i in range(200))
+N_CTX = 1024
 
 
 @pytest.fixture(scope="session")
@@ -23,13 +28,24 @@ def fixture_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("slots-fixtures")
 
 
-def run(path, prompt, moe_slots, n_ubatch, n_greedy=N_GREEDY):
-    """(all logits [n_tokens, n_vocab], greedy tokens, stats) for prompt + n_greedy tokens."""
-    llm = Llama(str(path), n_ctx=256, n_batch=64, n_ubatch=n_ubatch, logits_all=True, seed=0,
-                verbose=False, moe_slots=moe_slots)
+def prompt_tokens(llm, n):
+    tokens = llm.tokenize(LONG_TEXT)
+    assert len(tokens) >= n
+    return tokens[:n]
+
+
+def run_stock_defaults(path, n_prompt, moe_slots, n_greedy=N_GREEDY, **moe):
+    """(all logits [n_tokens, n_vocab], greedy tokens, stats, n_ubatch) for n_prompt tokens of
+    LONG_TEXT + n_greedy greedy tokens; every llama-cpp-python default left as it is."""
+    llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, verbose=False, moe_slots=moe_slots, **moe)
     try:
-        assert llm.n_batch == 64 and llm.context_params.n_ubatch <= n_ubatch
-        logits, tokens = greedy_logits(llm, prompt, n_greedy)
+        llm.eval(prompt_tokens(llm, n_prompt))
+        tokens = []
+        for _ in range(n_greedy):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tokens.append(token)
+            llm.eval([token])
+        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
         return logits, tokens, llm.moe_stats(), llm.context_params.n_ubatch
     finally:
         llm.close()
@@ -38,10 +54,10 @@ def run(path, prompt, moe_slots, n_ubatch, n_greedy=N_GREEDY):
 _baselines = {}
 
 
-def baseline(path, prompt, n_ubatch, n_greedy=N_GREEDY):
-    key = (str(path), prompt, n_ubatch, n_greedy)
+def baseline(path, n_prompt):
+    key = (str(path), n_prompt)
     if key not in _baselines:
-        _baselines[key] = run(path, prompt, None, n_ubatch, n_greedy)
+        _baselines[key] = run_stock_defaults(path, n_prompt, None)
     return _baselines[key]
 
 
@@ -54,40 +70,85 @@ CASES = [(name, slots) for name in fixtures.FIXTURES for slots in slot_settings(
 
 
 @pytest.mark.parametrize("name,moe_slots", CASES, ids=[f"{n}-{s}" for n, s in CASES])
-def test_bit_identical_to_resident(fixture_dir, name, moe_slots):
+def test_bit_identical_to_stock_defaults(fixture_dir, name, moe_slots):
     path = fixtures.write_fixture(name, fixture_dir)
-    logits, tokens, stats, n_ubatch = run(path, PROMPT, moe_slots, n_ubatch=512)
-    plan = plan_slots(load_index(path), moe_slots)
-    assert n_ubatch == min(64, plan.max_ubatch)  # n_batch 64 bounds it; pools of every expert don't
+    index = load_index(path)
+    plan = plan_slots(index, moe_slots)
+    for n_prompt in PROMPT_LENGTHS:
+        logits, tokens, stats, n_ubatch = run_stock_defaults(path, n_prompt, moe_slots)
+        ref_logits, ref_tokens, ref_stats, ref_ubatch = baseline(path, n_prompt)
+        assert ref_stats is None
+        assert n_ubatch == ref_ubatch == 512  # no cap: stock's own micro-batch
+        assert tokens == ref_tokens, f"{n_prompt} prompt tokens"
+        assert logits.shape == ref_logits.shape
+        assert np.array_equal(logits, ref_logits), \
+            f"{n_prompt} prompt tokens: max |diff| {np.abs(logits - ref_logits).max()}"
 
-    ref_logits, ref_tokens, ref_stats, _ = baseline(path, PROMPT, n_ubatch)
-    assert ref_stats is None
-    assert tokens == ref_tokens
-    assert logits.shape == ref_logits.shape
-    assert np.array_equal(logits, ref_logits), f"max |diff| {np.abs(logits - ref_logits).max()}"
-
-    total = stats["total"]
-    assert total["n_slots"] == sum(plan.n_slots)
-    if plan.holds_all:
-        # all experts fit: each is read once, at load (moe_preload's default), none on demand
-        index = load_index(path)
-        assert total["misses"] == 0 and total["bytes_read"] == index.expert_bytes_total
-    else:
-        assert total["misses"] > 0 and total["bytes_read"] > 0
+        total = stats["total"]
+        assert total["n_slots"] == sum(plan.n_slots)
+        if plan.holds_all:
+            # all experts fit: each is read once, at load (moe_preload's default), none on demand
+            assert total["misses"] == 0 and total["bytes_read"] == index.expert_bytes_total
+            assert total["n_waves"] == total["n_remaps"]  # one wave each
+        else:
+            assert total["misses"] > 0 and total["bytes_read"] > 0
+            if n_prompt >= 100:  # routes to more distinct experts than the pools hold
+                assert total["n_waves"] > total["n_remaps"]  # the prompt ran in waves
 
 
-def test_micro_batch_larger_than_one(fixture_dir):
-    """A pool of all 256 experts admits micro-batches of 256 / top-8 = 32 tokens."""
-    path = fixtures.write_fixture("qwen3moe-256x", fixture_dir)
-    logits, tokens, stats, n_ubatch = run(path, PROMPT * 3, 256, n_ubatch=32, n_greedy=8)
-    assert n_ubatch == 32
-    ref_logits, ref_tokens, _, _ = baseline(path, PROMPT * 3, 32, n_greedy=8)
-    assert tokens == ref_tokens
-    assert np.array_equal(logits, ref_logits)
-    # the prompt went through in micro-batches of 32 tokens: far fewer remaps than tokens
-    n_prompt = logits.shape[0] - 8
-    layers = len(load_index(path).layers)
-    assert stats["total"]["n_remaps"] < layers * (n_prompt + 8)
+def test_each_expert_read_once_per_micro_batch(fixture_dir):
+    """A 700-token prompt through 4 of 16 slots: per layer and micro-batch, misses never exceed
+    the distinct experts it routes to (each is read once, not once per wave or per tensor), and
+    the bytes read are exactly the misses' experts."""
+    path = fixtures.write_fixture("qwen3moe-f16", fixture_dir)
+    index = load_index(path)
+    llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, verbose=False, moe_slots=4, moe_trace=True)
+    try:
+        tokens = prompt_tokens(llm, 700)
+        llm.eval(tokens)
+        stats = llm.moe_stats()
+        trace = llm.moe_take_trace()
+    finally:
+        llm.close()
+    distinct = {}  # layer -> distinct experts summed over its micro-batches
+    i = 0
+    while i < len(trace):
+        layer, n_tok, n_used = int(trace[i]), int(trace[i + 1]), int(trace[i + 2])
+        ids = trace[i + 3: i + 3 + n_tok * n_used]
+        distinct[layer] = distinct.get(layer, 0) + len(set(ids.tolist()))
+        i += 3 + n_tok * n_used
+    for il, row in stats["layers"].items():
+        assert row["n_remaps"] == 2  # 512 + 188 tokens
+        assert row["hits"] + row["misses"] == distinct[il]
+        assert row["bytes_read"] == row["misses"] * index.layer(il).expert_bytes
+        assert row["n_waves"] > 2 * 2  # 16 distinct experts, 2 per wave
+    assert stats["total"]["misses"] <= sum(distinct.values())
+
+
+def test_four_sequences_in_one_batch(fixture_dir):
+    """Four sequences in one llama_batch (llama-cpp-python's embed() packs them so): the hidden
+    states of every token are bit-identical to stock with the same batch."""
+    path = fixtures.write_fixture("qwen3moe-q8_0", fixture_dir)
+    texts = [b"The quick brown fox", b"jumps over the lazy dog and runs", b"1, 2, 3, 4, 5", b"Once upon a time"]
+
+    def embed(moe_slots):
+        llm = Llama(str(path), n_ctx=N_CTX, embedding=True, verbose=False, moe_slots=moe_slots)
+        try:
+            assert llm.context_params.n_seq_max >= 4
+            out = llm.embed([t.decode() for t in texts])
+            return [np.array(e) for e in out], llm.moe_stats()
+        finally:
+            llm.close()
+
+    ref, _ = embed(None)
+    for moe_slots in (4, "25%", 8):
+        got, stats = embed(moe_slots)
+        assert len(got) == len(ref) == 4
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and np.array_equal(g, r)
+        t = stats["total"]
+        assert t["n_remaps"] == len(stats["layers"])  # one micro-batch of all four sequences
+        assert t["n_waves"] > t["n_remaps"]            # that ran in waves
 
 
 def test_prompts_in_a_row_share_the_pools(fixture_dir):
@@ -95,17 +156,19 @@ def test_prompts_in_a_row_share_the_pools(fixture_dir):
     path = fixtures.write_fixture("qwen3moe-q4_0", fixture_dir)
     spec = fixtures.FIXTURES["qwen3moe-q4_0"]
     llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, moe_slots=spec.n_expert_used)
+    ref_llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
     try:
-        n_ubatch = llm.context_params.n_ubatch
         for prompt in (PROMPT,) + OTHER_PROMPTS:
             llm.reset()
             llm.eval(llm.tokenize(prompt))
             got = np.array(llm.scores[: llm.n_tokens], copy=True)
-            ref = run(path, prompt, None, n_ubatch, n_greedy=0)[0]
+            ref_llm.reset()
+            ref = greedy_logits(ref_llm, prompt)[0]
             assert np.array_equal(got, ref)
         assert llm.moe_stats()["total"]["hits"] > 0
     finally:
         llm.close()
+        ref_llm.close()
 
 
 def test_stats_shape(fixture_dir):
@@ -164,16 +227,19 @@ def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
         llm.close()
 
 
-def test_micro_batch_cap_follows_the_pools(fixture_dir):
+def test_micro_batch_cap_only_without_waves(fixture_dir):
     index = load_index(fixtures.write_fixture("qwen3moe-f16", fixture_dir))
     n, k = index.n_expert, index.n_expert_used
-    assert plan_slots(index, k).max_ubatch == 1
-    assert plan_slots(index, 2 * k).max_ubatch == 2
+    # CPU builds run micro-batches larger than the pools in waves: no cap
+    assert plan_slots(index, k).max_ubatch == UNCAPPED_UBATCH
+    # builds without waves (a GPU backend) cap the micro-batch so that its experts fit
+    assert plan_slots(index, k, waves=False).max_ubatch == 1
+    assert plan_slots(index, 2 * k, waves=False).max_ubatch == 2
     # pools that hold every expert fit any micro-batch
-    assert plan_slots(index, n).holds_all
-    assert plan_slots(index, n).max_ubatch == UNCAPPED_UBATCH
-    assert plan_slots(index, n, policy="g-lru").max_ubatch == UNCAPPED_UBATCH
+    assert plan_slots(index, n, waves=False).holds_all
+    assert plan_slots(index, n, waves=False).max_ubatch == UNCAPPED_UBATCH
+    assert plan_slots(index, n, policy="g-lru", waves=False).max_ubatch == UNCAPPED_UBATCH
     # g-lru with room for every expert per layer but half the budget stays capped
-    half = plan_slots(index, n // 2, policy="g-lru")
+    half = plan_slots(index, n // 2, policy="g-lru", waves=False)
     assert max(half.n_slots) == n and not half.holds_all
     assert half.max_ubatch == n // k

@@ -33,7 +33,10 @@ def load(path, **kwargs):
 
 
 def record(path, n_decode=16, **kwargs):
-    """A fresh load with moe_trace; prompt + greedy decode. Returns (trace, live stats or None)."""
+    """A fresh load with moe_trace; prompt + greedy decode. Returns (trace, live stats or None).
+    With slots, micro-batches fit the pools (no waves: the replay lab models calls that fit)."""
+    if kwargs.get("moe_slots") is not None:
+        kwargs.setdefault("n_ubatch", max(1, kwargs["moe_slots"] // 4))
     llm = load(path, moe_trace=True, **kwargs)
     try:
         rec = Recorder(llm, moe_slots=kwargs.get("moe_slots"), moe_policy=kwargs.get("moe_policy", "lru"))
@@ -105,7 +108,7 @@ def test_policies_match_the_sidecar_call_by_call(model, policy, slots):
             flat = [e for row in rows for e in row]
             ids = n.ffi.new("int32_t[]", flat)
             out = n.ffi.new("int32_t[]", len(flat))
-            assert n.sidecar.empanel_remap(pool, layer, ids, 4, out, 4, len(rows)) == 0
+            assert n.sidecar.empanel_remap(pool, layer, n.ffi.NULL, 0, 1, ids, 4, out, 4, len(rows)) == 0
             row = experts.stats()["layers"][layer]
             live = (row["hits"] - before[layer][0], row["misses"] - before[layer][1])
             before[layer] = (row["hits"], row["misses"])
@@ -263,7 +266,7 @@ def cli(*args):
 def test_trace_then_replay_commands(model, tmp_path):
     out = tmp_path / "run.npz"
     proc = cli("trace", model, "-o", out, "-p", "Once upon a time there was", "-n", 12,
-               "--moe-slots", 8, "--moe-policy", "g-lru", "-t", 1, "-tb", 1)
+               "--moe-slots", 8, "--moe-policy", "g-lru", "-t", 1, "-tb", 1, "-ub", 2)
     assert proc.returncode == 0, proc.stderr
     assert "decode tokens" in proc.stdout and "router scores not recorded" in proc.stdout
     trace = load_trace(out)
