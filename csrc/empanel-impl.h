@@ -170,6 +170,11 @@ struct empanel_pool {
 
     atomic_int failed;
     char       error[512];
+
+    // failpoint for tests: read requests from the fault_after-th on fail with EIO (0: never);
+    // set from EMPANEL_FAULT_READ_AFTER at init
+    int64_t     fault_after;
+    atomic_llong n_requests;
 };
 
 // pool.c

@@ -118,6 +118,9 @@ struct empanel_pool * empanel_pool_init(
     }
     pthread_mutex_init(&pool->lock, NULL);
     atomic_init(&pool->failed, 0);
+    atomic_init(&pool->n_requests, 0);
+    const char * fault = getenv("EMPANEL_FAULT_READ_AFTER");
+    pool->fault_after = fault != NULL ? atoll(fault) : 0;
     pool->n_layer  = n_layer;
     pool->n_expert = n_expert;
     pool->policy   = params != NULL ? params->policy : EMPANEL_POLICY_LRU;

@@ -170,6 +170,11 @@ static int convert_job(struct empanel_pool * pool, const struct empanel_read_job
 static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
     struct empanel_pool * pool = reader->pool;
     const struct empanel_file * f = &pool->files[c->file];
+    if (pool->fault_after > 0 && atomic_fetch_add(&pool->n_requests, 1) + 1 >= pool->fault_after) {
+        empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
+                          f->path, (unsigned long long) c->length, (unsigned long long) c->offset, strerror(EIO));
+        return -1;
+    }
     uint8_t * dst = reader->jobs[c->job].dst + c->dst_offset;
     if (reader->direct && f->fd_direct >= 0) {
         if (pread_chunk(pool, f, f->fd_direct, bounce, c->length, c->offset, c->skip + c->payload) != 0) {

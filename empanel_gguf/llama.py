@@ -276,6 +276,17 @@ class Llama(llama_cpp.Llama):
                              f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
         return plan
 
+    prompt_progress = None  # a progress.PromptProgress: long prompt evaluations report progress
+
+    def eval(self, tokens):
+        """llama_cpp.Llama.eval; with prompt_progress set, a prompt of several tokens that takes
+        long shows its progress."""
+        progress = self.prompt_progress
+        if progress is None or len(tokens) <= 1:
+            return super().eval(tokens)
+        with progress.track(self, len(tokens)):
+            return super().eval(tokens)
+
     def moe_take_trace(self):
         """Routing recorded since the last call (moe_trace=True): int32 [layer, n_tokens, n_used,
         expert ids...] per micro-batch and MoE layer; see empanel_gguf.trace."""

@@ -556,3 +556,43 @@ def test_preload_of_smaller_pools_stays_exact_and_in_budget(fixture_dir, policy)
         llm.close()
     ref, ref_tokens, _ = fresh(path, PROMPT, None, n_ubatch, n_greedy=8)
     assert tokens == ref_tokens and np.array_equal(got, ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. a read that fails inside a prompt that runs in waves
+
+
+_WAVE_FAULT_SCRIPT = """
+import json, sys
+import numpy as np
+from empanel_gguf import Llama, MoeReadError
+path, n_prompt = sys.argv[1], int(sys.argv[2])
+llm = Llama(path, moe_slots=4, n_ctx=1024, logits_all=True, verbose=False)
+tokens = llm.tokenize(b"the quick brown fox jumps over the lazy dog " * 40)[:n_prompt]
+out = {"n_ubatch": llm.context_params.n_ubatch}
+try:
+    llm.eval(tokens)
+    out["raised"] = None
+except MoeReadError as e:
+    out["raised"] = str(e)
+out["n_tokens"] = llm.n_tokens
+stats = llm.moe_stats()["total"]
+out["n_waves"], out["n_remaps"], out["n_reads"] = stats["n_waves"], stats["n_remaps"], stats["n_reads"]
+llm.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 0.95])
+def test_read_failure_inside_waves_raises_and_rolls_back(fixture_dir, share):
+    """EMPANEL_FAULT_READ_AFTER makes the reader's N-th request fail with EIO (the first wave's
+    demand read, or one read ahead while an earlier wave computes, later in the prompt): the
+    prompt's eval raises MoeReadError, no token of it is taken in, the process is fine."""
+    path = model(fixture_dir, "qwen3moe-f32")
+    ok = _child_json(_WAVE_FAULT_SCRIPT, path, 300)
+    assert ok["raised"] is None and ok["n_tokens"] == 300 and ok["n_waves"] > ok["n_remaps"]
+    after = max(1, int(share * ok["n_reads"]))
+    env_script = "import os; os.environ['EMPANEL_FAULT_READ_AFTER'] = %r\n" % str(after)
+    failed = _child_json(env_script + _WAVE_FAULT_SCRIPT, path, 300)
+    assert failed["raised"] is not None and "EMPANEL_FAULT_READ_AFTER" in failed["raised"]
+    assert failed["n_tokens"] == 0  # the micro-batch's tokens were rolled back

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..progress import PromptProgress
 from ..sizing import DEFAULT_POLICY, POLICIES
 
 # the built-in model: a small qwen3moe trained on Shakespeare (scripts/train_moe.py), shipped in
@@ -446,6 +447,7 @@ def main(argv=None):
         print(f"empanel-gguf run: could not load {model}: {e}", file=sys.stderr)
         return 1
 
+    llm.prompt_progress = PromptProgress()  # prompts that take over a second show progress
     guard = memory.Watchdog(floor)  # the generation loops stop when it trips
     stopped = False
     timings = Timings(llm)

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..progress import PromptProgress
 from ..sizing import DEFAULT_POLICY, POLICIES
 from .run import DEFAULT_PROMPT, EXIT_MEMORY, add_memory_args, add_sampling_args, env_arg, note
 
@@ -120,6 +121,7 @@ def main(argv=None):
         kwargs.update(moe_slots=moe_slots, moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads)
     try:
         llm = Llama(args.model, moe_trace=True, **kwargs)
+        llm.prompt_progress = PromptProgress()
     except (ValueError, RuntimeError, OSError) as e:
         print(f"empanel-gguf trace: could not load {args.model}: {e}", file=sys.stderr)
         return 1
