@@ -1423,7 +1423,7 @@ def setup_arg_parser():
     g.add_argument("-c", "--n-ctx", type=int, default=None, help="context (default: the longer of prompt and warm-up prompt, + gen + 16)")
     g.add_argument("-b", "--n-batch", type=int, default=512, help="(default: 512)")
     g.add_argument("-ub", "--n-ubatch", type=int, default=512,
-                   help="(default: 512; slot runs cap it so a micro-batch fits the pools)")
+                   help="(default: 512; slot runs keep it: micro-batches larger than the pools run in waves)")
     g.add_argument("--configs", default=None,
                    help="comma list of stock, stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min|auto>"
                         "[/<moe_policy>]; each "
