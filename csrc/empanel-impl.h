@@ -45,6 +45,7 @@ struct empanel_layer {
     uint64_t   n_batches;   // micro-batches remapped: the LFU decay clock (stats resets leave it)
     int32_t  * distinct;    // [n_expert] scratch: the micro-batch's distinct experts
     uint64_t * wave_mark;   // [n_slots]  wave (stamp) that claimed the slot while planning
+    uint64_t * order_key;   // [n_expert] scratch: misses by last use in the micro-batch, then id
     uint64_t   wave_stamp;  // waves planned so far
 
     // the waves of the current micro-batch (remap calls with a pool tensor); expert_in/slot_of
@@ -118,6 +119,7 @@ struct empanel_reader {
     atomic_int                   next;   // next chunk to take
     atomic_int                   done;   // chunks finished
     atomic_int                   busy;   // threads working on the batch
+    atomic_int                   batch_failed; // a chunk of this batch failed or was skipped
 };
 struct empanel_pool {
     pthread_mutex_t lock;   // one remap at a time

@@ -56,13 +56,14 @@ static int layer_alloc(struct empanel_layer * layer, int32_t n_slots, int32_t n_
     layer->victims   = malloc(sizeof(int32_t)  * n_expert);  // [n_expert] scratch: their slots
     layer->uses      = calloc(n_slots, sizeof(uint32_t));    // [n_slots] LFU counts
     layer->wave_mark = calloc(n_slots, sizeof(uint64_t));    // [n_slots] wave that claimed it
+    layer->order_key = malloc(sizeof(uint64_t) * n_expert);  // [n_expert] scratch: miss order
     layer->distinct  = malloc(sizeof(int32_t)  * n_expert);  // [n_expert] scratch: distinct experts
     layer->plan_wave  = malloc(sizeof(int32_t) * n_expert);  // [n_expert] wave of each expert
     layer->plan_slot  = malloc(sizeof(int32_t) * n_expert);  // [n_expert] its slot then
     layer->plan_order = malloc(sizeof(int32_t) * n_expert);  // [n_expert] experts wave by wave
     layer->plan_begin = malloc(sizeof(int32_t) * (n_expert + 2)); // [waves + 1] first of each wave
     if (!layer->slot_of || !layer->miss_mark || !layer->expert_in || !layer->last_use ||
-        !layer->call_mark || !layer->misses || !layer->victims || !layer->uses || !layer->wave_mark ||
+        !layer->call_mark || !layer->misses || !layer->victims || !layer->uses || !layer->wave_mark || !layer->order_key ||
         !layer->distinct || !layer->plan_wave || !layer->plan_slot || !layer->plan_order || !layer->plan_begin) {
         return -1;
     }
@@ -85,6 +86,7 @@ static void layer_free(struct empanel_layer * layer) {
     free(layer->victims);
     free(layer->uses);
     free(layer->wave_mark);
+    free(layer->order_key);
     free(layer->distinct);
     free(layer->plan_wave);
     free(layer->plan_slot);
@@ -599,12 +601,21 @@ static int compare_int32(const void * a, const void * b) {
     return (x > y) - (x < y);
 }
 
+static int compare_uint64(const void * a, const void * b) {
+    const uint64_t x = *(const uint64_t *) a;
+    const uint64_t y = *(const uint64_t *) b;
+    return (x > y) - (x < y);
+}
+
 // the n distinct experts exceed the pool: plan waves of at most half a pool each, alternating
 // halves, so that one half is read while the other computes. Hits go in the first wave of their
-// half (no read), the misses follow in file order (expert ids ascending). The tables are left as
-// they will be after the last wave; the reads happen wave by wave (remap_wave_locked).
+// half (no read); the misses follow by their last use in the micro-batch, so the last two waves,
+// which stay resident, hold the experts of its last tokens (decoding goes on from there), and
+// each wave is read in file order (expert ids ascending). The tables are left as they will be
+// after the last wave; the reads happen wave by wave (remap_wave_locked).
 static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, uint64_t call,
-                      int32_t n, int32_t graph_waves) {
+                      int32_t n, int32_t graph_waves, const int32_t * expert_ids, int64_t ids_row_stride,
+                      int32_t n_used, int32_t n_tokens) {
     const int32_t n_slots = layer->n_slots;
     const int32_t n_half  = n_slots >= 2 ? 2 : 1;
     const int32_t split   = n_half == 2 ? llama_empanel_wave_experts(n_slots) : n_slots;
@@ -624,7 +635,22 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
     if (n_miss > 0 && empanel_files_check(pool) != 0) {
         return -1;
     }
-    qsort(layer->misses, (size_t) n_miss, sizeof(int32_t), compare_int32);
+    // last use of every expert: the token index (victims is free scratch here)
+    int32_t * last_use = layer->victims;
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            last_use[row[j]] = t;
+        }
+    }
+    for (int32_t i = 0; i < n_miss; i++) {
+        const int32_t e = layer->misses[i];
+        layer->order_key[i] = (uint64_t) last_use[e] * (uint64_t) pool->n_expert + (uint64_t) e;
+    }
+    qsort(layer->order_key, (size_t) n_miss, sizeof(uint64_t), compare_uint64);
+    for (int32_t i = 0; i < n_miss; i++) {
+        layer->misses[i] = (int32_t) (layer->order_key[i] % (uint64_t) pool->n_expert);
+    }
     layer->stats.misses += (uint64_t) n_miss;
 
     int32_t n_order = 0; // experts placed
@@ -665,6 +691,9 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
             layer->wave_mark[s] = stamp;
             layer->plan_order[n_order++] = e;
         }
+        // read in file order
+        qsort(layer->plan_order + layer->plan_begin[w], (size_t) (n_order - layer->plan_begin[w]),
+              sizeof(int32_t), compare_int32);
     }
     layer->plan_begin[w] = n_order;
     layer->plan_waves    = w;
@@ -690,6 +719,7 @@ static void reconcile(struct empanel_pool * pool, struct empanel_layer * layer) 
         if (pool->policy == EMPANEL_POLICY_GLRU) {
             lru_unlink(pool, layer->lru_base + s);
             pool->resident_bytes -= layer->expert_bytes;
+            release_slot(layer, s); // the budget no longer counts it: neither does memory
         }
     }
     layer->plan_open = 0;
@@ -844,7 +874,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
             layer->plan_begin[0] = 0;
             layer->plan_begin[1] = n;
             layer->plan_waves    = 1;
-        } else if (plan_waves(pool, layer, il, call, n, n_waves) != 0) {
+        } else if (plan_waves(pool, layer, il, call, n, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
             return -1;
         }
         end_batch(pool, layer, layer->plan_waves);
@@ -995,6 +1025,14 @@ const char * empanel_pool_error(struct empanel_pool * pool) {
 
 void empanel_pool_clear_error(struct empanel_pool * pool) {
     pthread_mutex_lock(&pool->lock);
+    // a batch still in flight (the graph stopped before waiting for it) ends here, its slots
+    // holding nothing; plans cut short are closed, so the next micro-batch plans afresh
+    empanel_read_finish(pool);
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        if (pool->layers[il].plan_open) {
+            reconcile(pool, &pool->layers[il]);
+        }
+    }
     pool->error[0] = '\0';
     atomic_store(&pool->failed, 0);
     pthread_mutex_unlock(&pool->lock);

@@ -195,9 +195,11 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         }
         const struct empanel_chunk * c = &reader->chunks[i];
         struct empanel_read_job * job = &reader->jobs[c->job];
-        if (!atomic_load(&reader->pool->failed) && read_chunk(reader, c, bounce) == 0 &&
-            atomic_fetch_sub(&job->chunks_left, 1) == 1 && job->convert == 1) {
-            convert_job(reader->pool, job); // the expert tensor is complete: repack it now
+        if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
+            atomic_store(&reader->batch_failed, 1); // skipped or failed: the batch is incomplete
+        } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1 && job->convert == 1 &&
+                   convert_job(reader->pool, job) != 0) { // the expert is complete: repack it now
+            atomic_store(&reader->batch_failed, 1);
         }
         if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
             pthread_mutex_lock(&reader->mutex);
@@ -324,6 +326,11 @@ static void reader_post(struct empanel_pool * pool, struct empanel_read_job * jo
                         const struct empanel_chunk * chunks, int32_t n_chunks) {
     struct empanel_reader * reader = &pool->reader;
     pthread_mutex_lock(&reader->mutex);
+    // a thread that woke late for the previous batch must leave it before the fields change
+    while (atomic_load(&reader->busy) > 0) {
+        pthread_cond_wait(&reader->cond_done, &reader->mutex);
+    }
+    atomic_store(&reader->batch_failed, 0);
     reader->jobs     = jobs;
     reader->chunks   = chunks;
     reader->n_chunks = n_chunks;
@@ -504,7 +511,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
     pool->inflight = 0;
 
     struct empanel_layer * layer = pool->inflight_layer;
-    if (atomic_load(&pool->failed)) {
+    if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
         return -1; // the batch's slots stay marked as holding nothing
     }
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
@@ -516,7 +523,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
         }
         layer->stats.copy_bytes += pool->jobs[j].tensor->expert_size;
     }
-    if (atomic_load(&pool->failed)) {
+    if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
         return -1; // a reader thread's conversion failed
     }
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
