@@ -562,7 +562,9 @@ static void claim_slot(struct empanel_pool * pool, struct empanel_layer * layer,
 
 // the n distinct experts fit the pool: hits keep their slots, misses take the slots the policy
 // gives up (none that this micro-batch uses) and are read, every tensor at once
-static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, uint64_t call, int32_t n) {
+// the n distinct experts: hits are used where they are, misses listed in layer->misses (the
+// files checked before they are read); the number of misses, or -1
+static int32_t split_hits(struct empanel_pool * pool, struct empanel_layer * layer, uint64_t call, int32_t n) {
     int32_t n_miss = 0;
     for (int32_t i = 0; i < n; i++) {
         const int32_t e = layer->distinct[i];
@@ -572,7 +574,12 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
             layer->misses[n_miss++] = e;
         }
     }
-    if (n_miss > 0 && empanel_files_check(pool) != 0) {
+    return n_miss > 0 && empanel_files_check(pool) != 0 ? -1 : n_miss;
+}
+
+static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, uint64_t call, int32_t n) {
+    const int32_t n_miss = split_hits(pool, layer, call, n);
+    if (n_miss < 0) {
         return -1;
     }
     // victims first: every slot is empty until all misses are read (a failed read leaves no
@@ -622,17 +629,11 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
     const int32_t half_begin[2] = { 0, split };
     const int32_t half_end[2]   = { split, n_slots };
 
-    int32_t n_miss = 0;
     for (int32_t i = 0; i < n; i++) {
-        const int32_t e = layer->distinct[i];
-        layer->plan_wave[e] = -1;
-        if (layer->slot_of[e] >= 0) {
-            use_hit(pool, layer, layer->slot_of[e], call);
-        } else {
-            layer->misses[n_miss++] = e;
-        }
+        layer->plan_wave[layer->distinct[i]] = -1;
     }
-    if (n_miss > 0 && empanel_files_check(pool) != 0) {
+    const int32_t n_miss = split_hits(pool, layer, call, n);
+    if (n_miss < 0) {
         return -1;
     }
     // last use of every expert: the token index (victims is free scratch here)
