@@ -21,6 +21,7 @@ struct empanel_tensor {
     uint64_t expert_size;   // bytes of one expert, in the file and in a slot
     void   * pool;          // ggml_tensor * [ne0, ne1, n_slots], set by empanel_pool_bind
     int      direct;        // slots are plain host memory: reads land in them directly
+    int      masked;        // waves are masked: kernels read every slot while a wave computes
     uint8_t * host;         // the pool's host memory (any layout), or NULL (device memory)
     int32_t * held;         // [n_slots] expert whose bytes this tensor's slot holds, -1 if none
                             // (or being read); equals the layer's expert_in outside of waves

@@ -390,6 +390,7 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
             }
             t->pool   = pool_tensor;
             t->direct = llama_empanel_slot_data(pool_tensor, 0) != NULL;
+            t->masked = llama_empanel_pool_masked(pool_tensor);
             t->host   = llama_empanel_pool_host_data(pool_tensor);
             if (t->host == NULL && pool->staging_owner == NULL) {
                 empanel_staging_free(pool);         // reads bound for device memory: pinned staging
@@ -897,12 +898,13 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
     layer->plan_next[ti] = wave + 1;
 
     // read ahead: this tensor's next wave goes to the other half of its pool (free: the wave
-    // before this one has computed); after its last wave, the first wave of a tensor that has
-    // not started (its pool is idle)
+    // before this one has computed), unless reads land in slots that this wave's masked kernel
+    // reads; after its last wave, the first wave of a tensor that has not started (its pool is
+    // idle)
     int32_t next_tensor = -1;
     int32_t next_wave   = 0;
     if (wave + 1 < layer->plan_waves) {
-        if (layer->n_slots >= 2) {
+        if (layer->n_slots >= 2 && !(layer->tensors[ti].masked && layer->tensors[ti].direct)) {
             next_tensor = ti;
             next_wave   = wave + 1;
         }

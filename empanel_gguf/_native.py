@@ -145,6 +145,7 @@ void    llama_empanel_clear_plan(void);
 int32_t llama_empanel_n_pools(const void * model);
 void *  llama_empanel_pool(const void * model, const char * name);
 void *  llama_empanel_slot_data(void * pool, int32_t slot);
+_Bool   llama_empanel_pool_masked(const void * pool);
 void    llama_set_abort_callback(void * ctx, _Bool (*abort_callback)(void *), void * data);
 """
 

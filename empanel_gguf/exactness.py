@@ -9,9 +9,10 @@ import numpy as np
 
 
 def greedy_logits(llm, prompt, n_greedy=0):
-    """Eval `prompt` (bytes) on a fresh or reset Llama made with logits_all=True, then n_greedy
-    greedy tokens one at a time. Returns (logits [n_tokens, n_vocab], the greedy tokens)."""
-    llm.eval(llm.tokenize(prompt))
+    """Eval `prompt` (bytes, or a list of tokens) on a fresh or reset Llama made with
+    logits_all=True, then n_greedy greedy tokens one at a time. Returns (logits [n_tokens,
+    n_vocab], the greedy tokens)."""
+    llm.eval(llm.tokenize(prompt) if isinstance(prompt, bytes) else list(prompt))
     tokens = []
     for _ in range(n_greedy):
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))

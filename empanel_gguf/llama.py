@@ -35,6 +35,7 @@ class ExpertPools:
         self.n = native()
         ffi = self.n.ffi
         self._keep = []  # cffi buffers that must outlive the C pool
+        self.n_masked = 0  # pools whose waves are masked (a GPU kernel may compute on them): bind()
 
         paths = [ffi.new("char[]", str(shard.path).encode()) for shard in index.shards]
         path_array = ffi.new("const char *[]", paths)
@@ -88,10 +89,12 @@ class ExpertPools:
             raise _native.NativeLibraryError(
                 f"empanel: llama.cpp made {n_pools} slot pools for the {len(tensors)} routed-expert "
                 f"tensors of {self.index.path}; this architecture's loader is not supported yet")
+        self.n_masked = 0
         for t in tensors:
             pool_tensor = self.n.llama.llama_empanel_pool(model_p, t.name.encode())
             if self.n.sidecar.empanel_pool_bind(self.pool, t.name.encode(), pool_tensor) != 0:
                 raise _native.NativeLibraryError(f"empanel: {self.error()}")
+            self.n_masked += bool(self.n.llama.llama_empanel_pool_masked(pool_tensor))
         self.n.llama.llama_set_abort_callback(self.n.ptr(ctx), self.n.sidecar.empanel_pool_failed, self.pool)
 
     def failed(self):
@@ -138,6 +141,7 @@ class ExpertPools:
         # waves per micro-batch and layer; reads done while the graph computed (overlap)
         total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
         total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
+        total["masked_pools"] = self.n_masked
         return {"layers": layers, "total": total}
 
     def take_trace(self):
@@ -252,20 +256,12 @@ class Llama(llama_cpp.Llama):
 
     @staticmethod
     def _plan(index, moe_slots, moe_policy, kwargs, verbose):
-        """Slots per layer; caps kwargs["n_ubatch"] so that a micro-batch fits the pools."""
+        """Slots per layer (micro-batches of any size run in waves that fit the pools)."""
         if moe_policy not in POLICIES:
             raise ValueError(f"moe_policy={moe_policy!r}: one of {', '.join(POLICIES)}")
-        from .memory import waves_supported
-
-        plan = plan_slots(index, moe_slots, moe_policy, waves=waves_supported())
+        plan = plan_slots(index, moe_slots, moe_policy)
         for text in plan.notices:
             _notice(verbose, text)
-        n_ubatch = kwargs.get("n_ubatch", 512)
-        if n_ubatch > plan.max_ubatch:  # a build whose pools cannot run waves
-            _notice(verbose, f"n_ubatch {n_ubatch} -> {plan.max_ubatch}: a micro-batch of T tokens "
-                             f"needs up to T x {plan.n_expert_used} distinct experts per layer, and a "
-                             f"pool holds {plan.min_slots} (this build has a GPU backend: no waves)")
-            kwargs["n_ubatch"] = plan.max_ubatch
         if plan.budget_bytes:
             _notice(verbose, f"g-lru: {plan.budget_bytes / 2**20:.1f} MiB of experts shared by "
                              f"{len(index.layers)} MoE layers, up to {plan.min_slots} of {plan.n_expert} "

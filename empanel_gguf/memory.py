@@ -167,8 +167,6 @@ def estimate(index, plan=None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_gpu_la
     n_ctx = resolve_n_ctx(shape, n_ctx)
     n_batch = max(1, min(int(n_batch or 512), n_ctx))
     n_ubatch = max(1, min(int(n_ubatch or 512), n_batch))
-    if plan is not None:
-        n_ubatch = min(n_ubatch, plan.max_ubatch)
     notes = []
 
     experts = plan.pool_bytes if plan is not None else index.expert_bytes_total
@@ -210,12 +208,6 @@ def _supports_gpu_offload():
         return bool(llama_cpp.llama_supports_gpu_offload())
     except Exception:  # the estimate must not fail on a missing library
         return False
-
-
-def waves_supported():
-    """Micro-batches larger than the pools run in waves: builds without a GPU backend (the CPU
-    kernels skip the pairs of other waves). With one, micro-batches are capped to fit the pools."""
-    return not _supports_gpu_offload()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +437,7 @@ def max_slots_that_fit(index, budget, params):
     lo, hi = index.n_expert_used, index.n_expert
 
     def fits(n):
-        return estimate(index, plan_slots(index, n, waves=waves_supported()), **params).host <= budget
+        return estimate(index, plan_slots(index, n), **params).host <= budget
 
     if not fits(lo):
         return 0
@@ -521,7 +513,7 @@ def preflight(index, moe_slots, *, n_ctx, n_batch=512, n_ubatch=512, n_gpu_layer
         notes.append(f"{Path(index.path).name} has no routed experts; --moe-slots ignored")
         moe_slots = None
 
-    plan = plan_slots(index, moe_slots, waves=waves_supported()) if moe_slots is not None else None
+    plan = plan_slots(index, moe_slots) if moe_slots is not None else None
     est = estimate(index, plan, **kwargs)
     notes += est.notes
     check(est, index, plan, available=available, floor=floor, force=force, what=what)

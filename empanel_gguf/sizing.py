@@ -28,7 +28,6 @@ POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # eviction policies: EMPANEL_
 DEFAULT_POLICY = "lfu-decay"  # measured: fewer misses than lru and g-lru (README, Performance)
 
 GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share
-UNCAPPED_UBATCH = 1 << 30  # max_ubatch of pools that hold every expert
 
 
 class SlotsError(ValueError):
@@ -45,22 +44,10 @@ class SlotPlan:
     budget_bytes: int = 0    # g-lru: the shared budget (= pool_bytes); 0 for per-layer policies
     capacity_bytes: int = 0  # bytes of all pools' slots (above pool_bytes for g-lru)
     holds_all: bool = False  # every layer's pool (and budget) holds all its experts
-    waves: bool = True       # micro-batches larger than the pools run in waves (no cap)
 
     @property
     def min_slots(self):
         return min(n for n in self.n_slots if n > 0)
-
-    @property
-    def max_ubatch(self):
-        """Largest micro-batch the pools admit. With waves (CPU builds) any: its distinct experts
-        are split into waves that fit (UNCAPPED_UBATCH). Without (builds with a GPU backend), one
-        whose distinct experts always fit every layer's pool: each token routes to n_expert_used
-        experts, so T tokens need at most T * n_expert_used slots. Pools that hold every expert
-        fit any micro-batch."""
-        if self.holds_all or self.waves:
-            return UNCAPPED_UBATCH
-        return max(1, self.min_slots // self.n_expert_used)
 
 
 def parse_size(text):
@@ -71,9 +58,9 @@ def parse_size(text):
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def plan_slots(index, moe_slots, policy="lru", waves=True):
-    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`; `waves`:
-    the build runs micro-batches larger than the pools in waves (memory.waves_supported())."""
+def plan_slots(index, moe_slots, policy="lru"):
+    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`.
+    Micro-batches of any size run in waves that fit the pools: no micro-batch cap."""
     layers = index.layers
     if not layers:
         raise SlotsError(f"{index.path}: no MoE layer with routed experts; moe_slots does not apply")
@@ -101,7 +88,7 @@ def plan_slots(index, moe_slots, policy="lru", waves=True):
     return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k, pool_bytes=pool_bytes,
                     notices=notices, budget_bytes=pool_bytes if policy == "g-lru" else 0,
                     capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers),
-                    holds_all=wanted >= n_expert, waves=waves)
+                    holds_all=wanted >= n_expert)
 
 
 def _wanted_slots(index, moe_slots):

@@ -9,10 +9,10 @@ one output), so every run uses llama-cpp-python's default n_batch / n_ubatch (51
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures
+from empanel_gguf import Llama, fixtures, memory
 from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
-from empanel_gguf.sizing import UNCAPPED_UBATCH, plan_slots
+from empanel_gguf.sizing import plan_slots
 
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 OTHER_PROMPTS = (b"Once upon a time in a land far away", b"1, 2, 3, 4, 5, 6, 7, 8")
@@ -39,13 +39,7 @@ def run_stock_defaults(path, n_prompt, moe_slots, n_greedy=N_GREEDY, **moe):
     LONG_TEXT + n_greedy greedy tokens; every llama-cpp-python default left as it is."""
     llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, verbose=False, moe_slots=moe_slots, **moe)
     try:
-        llm.eval(prompt_tokens(llm, n_prompt))
-        tokens = []
-        for _ in range(n_greedy):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            tokens.append(token)
-            llm.eval([token])
-        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+        logits, tokens = greedy_logits(llm, prompt_tokens(llm, n_prompt), n_greedy)
         return logits, tokens, llm.moe_stats(), llm.context_params.n_ubatch
     finally:
         llm.close()
@@ -204,8 +198,6 @@ def test_without_slots_is_stock(fixture_dir):
 
 def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
     """moe_slots="auto": stock when the model fits, else the most slots that fit."""
-    from empanel_gguf import memory
-
     path = fixtures.write_fixture("qwen3moe-rss", fixture_dir)
     monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", "64GiB")
     llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots="auto")
@@ -227,19 +219,24 @@ def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
         llm.close()
 
 
-def test_micro_batch_cap_only_without_waves(fixture_dir):
-    index = load_index(fixtures.write_fixture("qwen3moe-f16", fixture_dir))
-    n, k = index.n_expert, index.n_expert_used
-    # CPU builds run micro-batches larger than the pools in waves: no cap
-    assert plan_slots(index, k).max_ubatch == UNCAPPED_UBATCH
-    # builds without waves (a GPU backend) cap the micro-batch so that its experts fit
-    assert plan_slots(index, k, waves=False).max_ubatch == 1
-    assert plan_slots(index, 2 * k, waves=False).max_ubatch == 2
-    # pools that hold every expert fit any micro-batch
-    assert plan_slots(index, n, waves=False).holds_all
-    assert plan_slots(index, n, waves=False).max_ubatch == UNCAPPED_UBATCH
-    assert plan_slots(index, n, policy="g-lru", waves=False).max_ubatch == UNCAPPED_UBATCH
-    # g-lru with room for every expert per layer but half the budget stays capped
-    half = plan_slots(index, n // 2, policy="g-lru", waves=False)
-    assert max(half.n_slots) == n and not half.holds_all
-    assert half.max_ubatch == n // k
+@pytest.mark.parametrize("name", ["qwen3moe-f16", "qwen3moe-f32", "qwen3moe-q4_k"])
+def test_masked_waves_bit_identical(fixture_dir, name, monkeypatch):
+    """The waves of pools that a GPU kernel may compute on (device memory; plain host memory in a
+    build with a GPU backend) are masked: every pair multiplied, each wave's product times its 0/1
+    mask added up. EMPANEL_WAVE_MASK=1 treats this build so: its plain host pools (F16, F32) run
+    masked waves on the CPU kernels, its CPU_REPACK pools (Q4_K) still skip pairs. Bit-identical
+    to stock defaults either way."""
+    monkeypatch.setenv("EMPANEL_WAVE_MASK", "1")
+    path = fixtures.write_fixture(name, fixture_dir)
+    spec = fixtures.FIXTURES[name]
+    for moe_slots in (spec.n_expert_used, "25%"):
+        for n_prompt in (9, 100, 700):
+            logits, tokens, stats, _ = run_stock_defaults(path, n_prompt, moe_slots, n_greedy=8)
+            ref_logits, ref_tokens, _, _ = baseline(path, n_prompt)
+            assert tokens == ref_tokens[:8] and np.array_equal(logits, ref_logits[: len(logits)]), \
+                f"{name} {moe_slots} slots, {n_prompt} tokens: max |diff| {np.abs(logits - ref_logits[: len(logits)]).max()}"
+            total = stats["total"]
+            if n_prompt >= 100:
+                assert total["n_waves"] > total["n_remaps"]
+            repacked = name.endswith("q4_k")
+            assert (total["masked_pools"] == 0) == repacked, total["masked_pools"]

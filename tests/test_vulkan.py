@@ -47,27 +47,79 @@ def test_vulkan_pools_bit_identical_to_vulkan_resident(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:]
 
 
+def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
+    """Prompts that route to more experts than the pools hold run in waves on Vulkan too: the other
+    waves' pairs multiply the pool's zero slot and the waves' products are added. Every
+    llama-cpp-python default kept (n_batch = n_ubatch = 512); prompts of 9, 100 and 700 tokens
+    (more than n_batch) and 8 greedy tokens give the logits of the same build without slots."""
+    code = textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        from empanel_gguf import Llama, fixtures
+        from empanel_gguf.exactness import greedy_logits
+        TEXT = b" ".join(b"%d: the %s fox and the lazy dog, seen %d times." % (i, b"quick" if i % 3 else b"slow", i * 7)
+                         for i in range(200))
+        def run(path, moe_slots, n_prompt):
+            llm = Llama(str(path), n_ctx=1024, n_gpu_layers=99, logits_all=True, verbose=False,
+                        moe_slots=moe_slots)
+            try:
+                logits, tokens = greedy_logits(llm, llm.tokenize(TEXT)[:n_prompt], 8)
+                return logits, tokens, llm.moe_stats(), llm.context_params.n_ubatch
+            finally:
+                llm.close()
+        rows = []
+        for name in sys.argv[2].split(","):
+            spec = fixtures.FIXTURES[name]
+            path = fixtures.write_fixture(name, sys.argv[1])
+            for n_prompt in (9, 100, 700):
+                ref, ref_tokens, _, ref_ubatch = run(path, None, n_prompt)
+                for slots in (spec.n_expert_used, "25%"):
+                    got, tokens, stats, ubatch = run(path, slots, n_prompt)
+                    total = stats["total"]
+                    rows.append(dict(name=name, slots=str(slots), n_prompt=n_prompt, ubatch=ubatch,
+                                     ref_ubatch=ref_ubatch, same_tokens=tokens == ref_tokens,
+                                     identical=bool(np.array_equal(got, ref)),
+                                     max_diff=float(np.abs(got - ref).max()),
+                                     n_waves=total["n_waves"], n_remaps=total["n_remaps"]))
+        print("ROWS", json.dumps(rows))
+    """)
+    names = "qwen3moe-q4_k,gpt-oss,deepseek2"
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), names], env=vulkan_env(),
+                          capture_output=True, text=True, timeout=1500)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(lines[0][5:])
+    assert len(rows) == 3 * 3 * 2
+    for row in rows:
+        assert row["ubatch"] == row["ref_ubatch"] == 512, row  # no cap
+        assert row["identical"] and row["same_tokens"], row
+        if row["n_prompt"] >= 100:
+            assert row["n_waves"] > row["n_remaps"], row  # the prompt ran in waves
+
+
 def test_mixed_placement_some_layers_on_device(tmp_path):
     """Half the layers offloaded: their pools in Vulkan memory, the others' in CPU memory."""
     code = textwrap.dedent("""
         import numpy as np, sys
         from empanel_gguf import Llama, fixtures
         path = fixtures.write_fixture("qwen3moe-q8_0", sys.argv[1])
-        def run(moe_slots, n_ubatch):
-            llm = Llama(str(path), n_ctx=128, n_ubatch=n_ubatch, n_gpu_layers=2, logits_all=True,
-                        verbose=True, moe_slots=moe_slots)
-            llm.eval(llm.tokenize(b"mixed placement of the pools"))
+        TEXT = b" ".join(b"%d: mixed placement of the pools" % i for i in range(40))
+        def run(moe_slots, n_prompt):
+            llm = Llama(str(path), n_ctx=512, n_gpu_layers=2, logits_all=True, verbose=True,
+                        moe_slots=moe_slots)
+            llm.eval(llm.tokenize(TEXT)[:n_prompt])
             logits = np.array(llm.scores[: llm.n_tokens], copy=True)
-            ub = llm.context_params.n_ubatch
             llm.close()
-            return logits, ub
-        got, ub = run(4, 512)
-        ref, _ = run(None, ub)
-        print("IDENTICAL" if np.array_equal(got, ref) else "DIFFERENT", np.abs(got - ref).max())
+            return logits
+        # 6 tokens: every MUL_MAT_ID where its weights are; 200: op offload takes the CPU layers'
+        # (host pools') MUL_MAT_IDs to the device, a copy of the pool per wave
+        for n_prompt in (6, 200):
+            got, ref = run(4, n_prompt), run(None, n_prompt)
+            print("IDENTICAL" if np.array_equal(got, ref) else "DIFFERENT", n_prompt, np.abs(got - ref).max())
     """)
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=vulkan_env(),
                           capture_output=True, text=True, timeout=600)
-    assert "IDENTICAL" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("IDENTICAL") == 2, proc.stdout + proc.stderr[-3000:]
     # both kinds of pool were made
     assert "Vulkan0 slot pools size" in proc.stderr
     assert "Vulkan_Host slot pools size" in proc.stderr  # CPU layers: host memory, as stock picks

@@ -424,9 +424,6 @@ def main(argv=None):
         note(f"{plan.min_slots} of {plan.n_expert} expert slots per MoE layer, "
              f"{memory.fmt_bytes(plan.pool_bytes)} of pools instead of "
              f"{memory.fmt_bytes(index.expert_bytes_total)} of experts")
-        if args.ubatch_size > plan.max_ubatch:
-            note(f"micro-batch {args.ubatch_size} -> {plan.max_ubatch} tokens, so that its experts "
-                 f"fit a pool of {plan.min_slots} slots")
     note(f"memory: about {memory.fmt_bytes(est.host)} needed, {memory.fmt_bytes(available)} available, "
          f"{memory.fmt_bytes(floor)} kept free")
 
