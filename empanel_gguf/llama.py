@@ -208,9 +208,8 @@ class Llama(llama_cpp.Llama):
             as the slots and the g-lru budget go). None (default): only when every pool holds all
             its layer's experts, so that such a load is resident from the first token like a
             stock load; False: every expert is read on its first use.
-        **kwargs: passed to llama_cpp.Llama unchanged. A micro-batch whose experts exceed the
-            pools runs in waves that fit them (CPU builds); builds with a GPU backend cap n_ubatch
-            so that a micro-batch never needs more distinct experts than a pool holds.
+        **kwargs: passed to llama_cpp.Llama unchanged (n_ubatch included: a micro-batch whose
+            experts exceed the pools runs in waves that fit them, in every build).
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,

@@ -6,10 +6,10 @@
 
 Calls. The engine makes one remap call per micro-batch and MoE layer; the replay makes the same
 calls: the trace's micro-batches as recorded (meta ubatch/calls), each layer's call with the
-distinct experts its tokens route to, in order of first use. A recorded micro-batch longer than
-the engine's n_ubatch cap at the replayed size (max(1, capacity // top-k) tokens, so that a call
-never needs more experts than a pool holds) is split into micro-batches of that size, as the
-engine would have run it; `ubatch=N` caps micro-batches at N tokens as well. Replaying the
+distinct experts its tokens route to, in order of first use. The lab models calls that fit a
+pool: a recorded micro-batch longer than max(1, capacity // top-k) tokens at the replayed size
+(one the engine runs in waves) is split into micro-batches of that size; `ubatch=N` caps
+micro-batches at N tokens as well. Replaying the
 engine's own policy at the size the trace was recorded with therefore makes exactly the engine's
 calls, and reproduces its hit and miss counts.
 

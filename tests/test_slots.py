@@ -224,8 +224,8 @@ def test_masked_waves_bit_identical(fixture_dir, name, monkeypatch):
     """The waves of pools that a GPU kernel may compute on (device memory; plain host memory in a
     build with a GPU backend) are masked: every pair multiplied, each wave's product times its 0/1
     mask added up. EMPANEL_WAVE_MASK=1 treats this build so: its plain host pools (F16, F32) run
-    masked waves on the CPU kernels, its CPU_REPACK pools (Q4_K) still skip pairs. Bit-identical
-    to stock defaults either way."""
+    masked waves on the CPU kernels, CPU_REPACK pools (Q4_K where the CPU repacks it) still skip
+    pairs. Bit-identical to stock defaults either way."""
     monkeypatch.setenv("EMPANEL_WAVE_MASK", "1")
     path = fixtures.write_fixture(name, fixture_dir)
     spec = fixtures.FIXTURES[name]
@@ -238,5 +238,5 @@ def test_masked_waves_bit_identical(fixture_dir, name, monkeypatch):
             total = stats["total"]
             if n_prompt >= 100:
                 assert total["n_waves"] > total["n_remaps"]
-            repacked = name.endswith("q4_k")
-            assert (total["masked_pools"] == 0) == repacked, total["masked_pools"]
+            if not name.endswith("q4_k"):  # F16/F32 pools are plain host memory: masked
+                assert total["masked_pools"] > 0

@@ -3,8 +3,8 @@ really saved, bad inputs and files that change under a loaded model fail clearly
 serves several contexts and prompts one after another.
 
 Every test loads real fixture files with the real llama.cpp build; nothing is mocked. Exactness
-comparisons run the baseline with the n_ubatch the slot run was capped to (llama.cpp's kernels
-differ by micro-batch size, so only equal micro-batches are comparable bit for bit).
+comparisons run the baseline with the slot run's n_ubatch (llama.cpp's kernels differ by
+micro-batch size, so only equal micro-batches are comparable bit for bit); nothing caps it.
 """
 
 from __future__ import annotations

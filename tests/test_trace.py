@@ -136,7 +136,8 @@ def test_trace_layout(model):
     assert trace.n_decode == 16 and n_prompt > 16
     assert trace.experts.dtype == np.int16 and trace.experts.shape == (trace.n_tokens, 3, 4)
     assert list(trace.prompt) == [True] * n_prompt + [False] * 16
-    # n_ubatch was capped to 8 // 4 = 2 tokens; decode micro-batches hold one token each
+    # record() runs micro-batches of 8 // 4 = 2 tokens (they fit the pool, as the replay lab
+    # models); decode micro-batches hold one token each
     assert trace.meta["recorded_with"]["n_ubatch"] == 2
     assert trace.ubatch.sum() == trace.n_tokens and trace.ubatch.max() == 2
     assert list(trace.ubatch[-16:]) == [1] * 16

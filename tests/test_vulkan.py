@@ -48,8 +48,9 @@ def test_vulkan_pools_bit_identical_to_vulkan_resident(tmp_path):
 
 
 def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
-    """Prompts that route to more experts than the pools hold run in waves on Vulkan too: the other
-    waves' pairs multiply the pool's zero slot and the waves' products are added. Every
+    """Prompts that route to more experts than the pools hold run in waves on Vulkan too, masked:
+    each wave multiplies every pair (the other waves' over distinct filler slots of their token)
+    and its product times a 0/1 mask is added to the sum. Every
     llama-cpp-python default kept (n_batch = n_ubatch = 512); prompts of 9, 100 and 700 tokens
     (more than n_batch) and 8 greedy tokens give the logits of the same build without slots."""
     code = textwrap.dedent("""
@@ -80,7 +81,8 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
                                      ref_ubatch=ref_ubatch, same_tokens=tokens == ref_tokens,
                                      identical=bool(np.array_equal(got, ref)),
                                      max_diff=float(np.abs(got - ref).max()),
-                                     n_waves=total["n_waves"], n_remaps=total["n_remaps"]))
+                                     n_waves=total["n_waves"], n_remaps=total["n_remaps"],
+                                     masked_pools=total["masked_pools"]))
         print("ROWS", json.dumps(rows))
     """)
     names = "qwen3moe-q4_k,gpt-oss,deepseek2"
@@ -93,6 +95,7 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
     for row in rows:
         assert row["ubatch"] == row["ref_ubatch"] == 512, row  # no cap
         assert row["identical"] and row["same_tokens"], row
+        assert row["masked_pools"] > 0, row  # device pools: masked waves
         if row["n_prompt"] >= 100:
             assert row["n_waves"] > row["n_remaps"], row  # the prompt ran in waves
 
