@@ -1,6 +1,6 @@
 #pragma once
 
-// internal structures of the sidecar, shared by pool.c (tables, policy) and reader.c (files, reads)
+// internal structures of the sidecar, shared by pool.c (tables, memory), remap.c (policy, waves) and reader.c (files, reads)
 
 #include "empanel.h"
 
@@ -182,6 +182,14 @@ struct empanel_pool {
 
 // pool.c
 void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...);
+// slot `slot` of the layer holds nothing: host pools give its pages back
+void empanel_slot_release(struct empanel_layer * layer, int32_t slot);
+// g-lru: take expert entry e out of the recency list / put it at the recent end
+void empanel_lru_unlink(struct empanel_pool * pool, int32_t e);
+void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e);
+// g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
+// bytes fit in the budget
+void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
 
 // reader.c
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);

@@ -5,7 +5,7 @@ One interface: an engine call is one micro-batch of one MoE layer, and
     hits, misses = policy.access(layer, experts)
 
 takes the distinct experts the call routes to, in order of first use. As in the engine
-(csrc/pool.c, remap_locked) each distinct expert counts once per call: a hit if it is resident,
+(csrc/remap.c, remap_locked) each distinct expert counts once per call: a hit if it is resident,
 else a miss that is loaded; the experts of the current call are never evicted for each other, so
 a call may need at most `capacity` distinct experts (CapacityError otherwise; replay.py splits
 such calls as the engine's n_ubatch cap would). Sizes are slots per layer.

@@ -48,7 +48,7 @@ def test_lru_classic():
 def test_lru_ties_go_to_the_lowest_slot_like_the_engine():
     # 2 slots. [0] -> slot 0, [1] -> slot 1, [0] hit (slot 0 now more recent than slot 1).
     # [2, 3]: both miss; 2 takes the LRU slot 1, 3 takes slot 0: both last used by this call.
-    # [4]: a tie between slot 0 (expert 3) and slot 1 (expert 2): pool.c takes the lowest slot,
+    # [4]: a tie between slot 0 (expert 3) and slot 1 (expert 2): remap.c takes the lowest slot,
     # so 3 goes (evicting in load order would drop 2 instead). [2] is then a hit.
     # hits: [0], [2] = 2; misses: 0 1 2 3 4 = 5
     p = LRU(2)

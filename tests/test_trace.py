@@ -57,7 +57,7 @@ def test_replay_reproduces_the_engine(model, policy, slots):
     # The engine counts every remap call, prompt and decode alike, from the moment the pools are
     # made; the trace starts at load as well, so the replay counts every call too (count="all";
     # warm + counted) at the recorded size, with the recorded micro-batches. Exact, not just
-    # within a point: the replay mirrors pool.c's victim choice, ties and decay.
+    # within a point: the replay mirrors remap.c's victim choice, ties and decay.
     trace, stats = record(model, moe_slots=slots, moe_policy=policy)
     assert trace.meta["engine_stats_from_load"]
     report = replay(trace, sizes=[slots], policies=[policy], count="all")
