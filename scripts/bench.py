@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`python scripts/bench.py ...`: `empanel-gguf bench ...` (empanel_gguf/bench.py) on the working
+"""`python scripts/bench.py ...`: `empanel-gguf bench ...` (empanel_gguf/bench/) on the working
 tree's package and build, as the tests use them, not an older installed copy.
 EMPANEL_BENCH_INSTALLED=1 measures the installed package instead."""
 

@@ -1,5 +1,5 @@
 """`empanel-gguf bench [-m MODEL.gguf | --write-model PATH] [options]`: empanel-gguf against stock
-llama.cpp on the same model and build, side by side, llama-bench style (see empanel_gguf/bench.py)."""
+llama.cpp on the same model and build, side by side, llama-bench style (see empanel_gguf/bench/)."""
 
 
 def main(argv):

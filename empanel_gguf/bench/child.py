@@ -1,0 +1,264 @@
+"""The benchmark's child: one measured run of one configuration in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+from .host import read_sys
+from .configs import EMPANEL, MMAP
+
+
+PROMPT_TEXT = (
+    "The history of the river towns is written in their bridges. Each generation built a "
+    "crossing that suited its trade: fords for the drovers, timber spans for the carts, stone "
+    "arches when the wool money came, and iron when the railway needed to cross without "
+    "stopping. Walk along the water today and you can read four hundred years of ambition in "
+    "the piers, the patched parapets and the toll houses now sold as holiday cottages. "
+)
+
+
+WARMUP_TEXT = (
+    "Salt was the first fortune of the coast. Long before the harbour walls, families boiled "
+    "seawater in lead pans on the marsh edge and carried the crystals inland on mules; the "
+    "tracks they wore became the lanes that the later turnpikes straightened, and the pans left "
+    "the low mounds that walkers still take for the barrows of forgotten kings. "
+)
+
+
+def token_trace(llm, n_prompt: int, n_gen: int, text: str = PROMPT_TEXT):
+    """(prompt tokens, forced continuation): the same text for every arm, repeated as needed."""
+    text = text.encode()
+    tokens = llm.tokenize(text, add_bos=True)
+    while len(tokens) < n_prompt + n_gen:
+        tokens += llm.tokenize(text, add_bos=False)
+    return tokens[:n_prompt], tokens[n_prompt:n_prompt + n_gen]
+
+
+def last_logits(llm):
+    """The logits of the last evaluated token, copied. (Llama.scores holds them only with
+    logits_all=True; with it off, llama-cpp-python leaves `scores` unset.)"""
+    import numpy as np
+
+    ptr = llm._ctx.get_logits_ith(-1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+
+
+def _proc_status() -> dict:
+    out = {}
+    for line in (read_sys("/proc/self/status", "") or "").splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _proc_io() -> dict:
+    out = {}
+    for line in (read_sys("/proc/self/io", "") or "").splitlines():
+        key, _, value = line.partition(":")
+        out[key.strip()] = int(value)
+    return out
+
+
+def _disk(stat_path) -> tuple[int, float] | None:
+    """(bytes read, seconds busy) of the whole disk so far, from /sys/block/<dev>/stat (sectors
+    read is field 3, io_ticks field 10). Counts every process's I/O on that disk."""
+    if not stat_path:
+        return None
+    fields = (read_sys(stat_path, "") or "").split()
+    if len(fields) < 10:
+        return None
+    return int(fields[2]) * 512, int(fields[9]) / 1000.0
+
+
+def _disk_delta(after, before) -> dict:
+    if after is None or before is None:
+        return {}
+    return {"dev_read_bytes": after[0] - before[0], "dev_busy_s": after[1] - before[1]}
+
+
+def _delta(after: dict | None, before: dict | None) -> dict | None:
+    """after - before for the counters of moe_stats()['total']; gauges (slots) kept, rates
+    (hit_rate, *_gbps) recomputed."""
+    if after is None:
+        return None
+    before = before or {}
+    out = {}
+    for key, value in after.items():
+        if key.endswith("_gbps") or key == "hit_rate":
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and key not in ("n_slots", "n_resident"):
+            out[key] = value - before.get(key, 0)
+        else:
+            out[key] = value
+    lookups = out.get("hits", 0) + out.get("misses", 0)
+    out["hit_rate"] = out.get("hits", 0) / lookups if lookups else None
+    return out
+
+
+class _MappedWeights:
+    """Within the block, models load with llama_model_params.use_extra_bufts = False: no CPU
+    repack buffers, the weights are served from the file mapping. llama_cpp.Llama has no argument
+    for it and builds the params inside __init__, so the one function that receives them,
+    llama_model_load_from_file (as _internals.LlamaModel calls it), is wrapped."""
+
+    def __init__(self, llama_cpp_module):
+        self.module = llama_cpp_module.llama_cpp
+
+    def __enter__(self):
+        self.original = original = self.module.llama_model_load_from_file
+
+        def load(path_model, params):
+            params.use_extra_bufts = False
+            return original(path_model, params)
+
+        self.module.llama_model_load_from_file = load
+        return self
+
+    def __exit__(self, *exc):
+        self.module.llama_model_load_from_file = self.original
+        return False
+
+
+def child_main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    result_path = Path(spec["result"])
+    phase_path = Path(spec["result"] + ".phase")
+
+    def phase(name):
+        phase_path.write_text(name)
+
+    phase("cgroup")
+    try:  # if memory runs out machine-wide, the measured child goes first, not a bystander
+        Path("/proc/self/oom_score_adj").write_text("1000\n")
+    except OSError:
+        pass
+    if spec.get("cgroup_procs"):
+        Path(spec["cgroup_procs"]).write_text(f"{os.getpid()}\n")  # before anything big is loaded
+    phase("import")
+    import numpy as np
+
+    import empanel_gguf
+    from empanel_gguf import Llama
+
+    baseline_rss = _proc_status().get("VmRSS")
+    kwargs = dict(n_ctx=spec["n_ctx"], n_batch=spec["n_batch"], n_ubatch=spec["n_ubatch"],
+                  n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=False,
+                  seed=0, verbose=True)
+    kwargs.update(spec.get("llama_opts") or {})
+    if spec["kind"] == EMPANEL:
+        kwargs.update(spec.get("moe_opts") or {})
+        kwargs["moe_slots"] = spec["moe_slots"]
+
+    phase("load")
+    t0 = time.perf_counter()
+    if spec["kind"] == MMAP:
+        with _MappedWeights(empanel_gguf.llama_cpp):
+            llm = Llama(spec["model"], **kwargs)
+    else:
+        llm = Llama(spec["model"], **kwargs)
+    load_s = time.perf_counter() - t0
+    after_load = _proc_status()
+    prompt, trace = token_trace(llm, spec["n_prompt"], spec["n_gen"])
+
+    warmup = None
+    if spec.get("warmup"):
+        # like llama-bench, a warm-up run first (other text), so that the measured run sees the
+        # steady state (warm pools / page cache), not the first reads after load: a prompt of up
+        # to warmup_tokens in pieces of n_prompt, then n_gen decoded tokens, within warmup_s seconds
+        phase("warmup")
+        w_prompt, w_trace = token_trace(llm, spec["warmup_tokens"], spec["n_gen"], WARMUP_TEXT)
+        moe_w0 = _total(llm)
+        t0 = time.perf_counter()
+        n_pp = 0
+        while n_pp < len(w_prompt):
+            piece = w_prompt[n_pp:n_pp + max(1, spec["n_prompt"])]
+            llm.eval(piece)
+            n_pp += len(piece)
+            if time.perf_counter() - t0 > spec["warmup_s"]:
+                break
+        w_pp_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        n_tg = 0
+        for tok in w_trace:
+            if n_tg >= spec["min_tg"] and time.perf_counter() - t0 > spec["warmup_s"]:
+                break
+            llm.eval([tok])
+            n_tg += 1
+        w_tg_s = time.perf_counter() - t1
+        llm.reset()  # the next eval drops the warm-up's KV cells
+        warmup = {"pp": {"n": n_pp, "s": w_pp_s}, "tg": {"n": n_tg, "s": w_tg_s},
+                  "moe": _delta(_total(llm), moe_w0)}
+
+    disk = spec.get("disk_stat")
+    io0, moe0, dk0 = _proc_io(), _total(llm), _disk(disk)
+    phase("pp")
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    pp_s = time.perf_counter() - t0
+    logits = last_logits(llm)
+    pp_finite = bool(np.isfinite(logits).all())
+    pp_spread = float(logits.std())
+    io1, moe1, dk1 = _proc_io(), _total(llm), _disk(disk)
+
+    phase("tg")
+    times, argmax, finite = [], [], True
+    t_start = time.perf_counter()
+    for tok in trace:
+        t0 = time.perf_counter()
+        llm.eval([tok])
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        logits = last_logits(llm)
+        argmax.append(int(np.argmax(logits)))
+        finite = finite and bool(np.isfinite(logits).all())
+        if t1 - t_start > spec["max_tg_s"] and len(times) >= spec["min_tg"]:
+            break
+    tg_finite = finite
+    io2, moe2, dk2 = _proc_io(), _total(llm), _disk(disk)
+    status = _proc_status()
+
+    lib = empanel_gguf._native.lib_dir() / "libempanel.so"
+    result = {
+        "status": "ok",
+        "pid": os.getpid(),
+        "empanel_gguf": str(Path(empanel_gguf.__file__).parent),
+        "libempanel_mtime": os.stat(lib).st_mtime if lib.exists() else None,
+        "load_s": load_s,
+        "n_ubatch": int(llm.context_params.n_ubatch),
+        "n_batch": int(llm.n_batch),
+        "n_threads": spec["threads"],
+        "rss_baseline": baseline_rss,
+        "rss_after_load": after_load.get("VmRSS"),
+        "peak_rss": status.get("VmHWM"),
+        "rss_end": status.get("VmRSS"),
+        "rss_anon_end": status.get("RssAnon"),
+        "rss_file_end": status.get("RssFile"),
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "moe_slots_total": (moe2 or {}).get("n_slots"),
+        "moe_slots_resolved": getattr(llm, "moe_slots", None),
+        "warmup": warmup,
+        "pp": {"n": len(prompt), "s": pp_s, "finite": pp_finite, "logit_std": pp_spread,
+               "io_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+               "moe": _delta(moe1, moe0), **_disk_delta(dk1, dk0)},
+        "tg": {"n": len(times), "s": sum(times), "token_s": times, "finite": tg_finite,
+               "argmax": argmax,
+               "io_read_bytes": io2.get("read_bytes", 0) - io1.get("read_bytes", 0),
+               "moe": _delta(moe2, moe1), **_disk_delta(dk2, dk1)},
+        "moe_total": moe2,
+    }
+    result_path.write_text(json.dumps(result))
+    phase("close")
+    llm.close()
+    phase("done")
+    return 0
+
+
+def _total(llm):
+    stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
+    return dict(stats["total"]) if stats else None

@@ -1,0 +1,76 @@
+"""The benchmark's configurations: stock, stock from the mapping, empanel at a slot share; uncapped or under the cap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+STOCK, MMAP, EMPANEL = "stock", "stock-mmap", "empanel"
+CAP_NONE, CAP = "none", "cap"
+DEFAULT_CONFIGS = (
+    [f"{n}@{CAP_NONE}" for n in ("stock", "empanel-100%", "empanel-50%", "empanel-25%", "empanel-min")]
+    + [f"{n}@{CAP}" for n in ("stock", "stock-mmap", "stock-mmap-ra128", "empanel-100%", "empanel-50%",
+                              "empanel-25%", "empanel-min", "empanel-auto")])
+
+
+@dataclass
+class Config:
+    name: str  # stock | stock-mmap | stock-mmap-ra<KB> | empanel-<moe_slots>
+    cap: str  # none | cap
+    kind: str  # stock | stock-mmap | empanel
+    moe_slots: object = None  # for empanel: what Llama(moe_slots=) gets
+    readahead_kb: int | None = None  # stock-mmap-ra<KB>: read_ahead_kb during the run
+    moe_policy: str | None = None  # empanel-<slots>/<policy>: this run's moe_policy
+
+    @property
+    def key(self):
+        return f"{self.name}@{self.cap}"
+
+
+def parse_config(text: str, top_k: int) -> list[Config]:
+    """'name' (uncapped and capped), 'name@none' or 'name@cap' -> Configs."""
+    name, _, cap = text.strip().partition("@")
+    caps = [cap] if cap else [CAP_NONE, CAP]
+    for c in caps:
+        if c not in (CAP_NONE, CAP):
+            raise SystemExit(f"bench: config '{text}': the part after @ must be 'none' or 'cap'")
+    if name == STOCK:
+        kind, slots, ra = STOCK, None, None
+    elif name == MMAP:
+        kind, slots, ra = MMAP, None, None
+    elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():
+        kind, slots, ra = MMAP, None, int(name[len(MMAP) + 3:])
+    elif name.startswith(EMPANEL + "-") and len(name) > len(EMPANEL) + 1:
+        value, _, policy = name[len(EMPANEL) + 1:].partition("/")
+        kind, ra = EMPANEL, None
+        slots = top_k if value == "min" else int(value) if value.isdigit() else value
+        if policy:
+            from ..sizing import POLICIES
+
+            if policy not in POLICIES:
+                raise SystemExit(f"bench: config '{text}': policy '{policy}' is not one of {', '.join(POLICIES)}")
+            return [Config(name, c, kind, slots, ra, policy) for c in caps]
+    else:
+        raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
+                         "empanel-<N|P%|size|min|auto>[/<policy>], each optionally @none or @cap")
+    return [Config(name, c, kind, slots, ra) for c in caps]
+
+
+def parse_opt(text: str):
+    """'key=value' -> (key, int | float | bool | None | str)."""
+    key, eq, raw = text.partition("=")
+    if not eq or not key:
+        raise SystemExit(f"bench: option '{text}' is not key=value")
+    low = raw.lower()
+    if low in ("true", "yes", "on"):
+        return key, True
+    if low in ("false", "no", "off"):
+        return key, False
+    if low == "none":
+        return key, None
+    for conv in (int, float):
+        try:
+            return key, conv(raw)
+        except ValueError:
+            pass
+    return key, raw

@@ -1,0 +1,204 @@
+"""The benchmark's report: markdown tables, the details table and the targets."""
+
+from __future__ import annotations
+
+
+from .configs import CAP, CAP_NONE, EMPANEL, MMAP, STOCK
+from .runs import Bench, find_row, median
+
+from .host import GiB, MiB
+
+
+def fmt_bytes(n, unit=None):
+    if n is None:
+        return "-"
+    if unit is None:
+        unit = "GiB" if abs(n) >= GiB else "MiB"
+    return f"{n / (GiB if unit == 'GiB' else MiB):.2f} {unit}"
+
+
+def fmt(v, spec=".2f", suffix=""):
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown(headers, rows):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    numeric = [all(_looks_numeric(r[i]) for r in rows) for i in range(len(headers))]
+
+    def line(cells):
+        out = []
+        for i, c in enumerate(cells):
+            out.append(str(c).rjust(widths[i]) if numeric[i] else str(c).ljust(widths[i]))
+        return "| " + " | ".join(out) + " |"
+
+    sep = "| " + " | ".join(("-" * (w - 1) + ":") if numeric[i] else "-" * w
+                            for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def _looks_numeric(cell):
+    text = str(cell).split(" ")[0].rstrip("%")
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return text == "-"
+
+
+def model_label(bench: Bench) -> str:
+    ix = bench.index
+    types = sorted({t.type_name for t in ix.expert_tensors()})
+    return f"{ix.architecture} {ix.n_layer}L {ix.n_expert}x top-{ix.n_expert_used} {'/'.join(types)}"
+
+
+def cap_label(bench: Bench, cap: str) -> str:
+    if cap == CAP_NONE:
+        return "none"
+    return f"{bench.cap_bytes / GiB:.1f} GiB ({100 * bench.args.cap:.0f}%)"
+
+
+def slots_label(bench: Bench, row) -> str:
+    if row["kind"] == STOCK:
+        return "- (repack)"
+    if row["kind"] == MMAP:
+        return "- (mmap)"
+    per = row.get("slots_per_layer")
+    return f"{row['moe_slots']} ({per})" if per and str(per) != str(row["moe_slots"]) else str(row["moe_slots"])
+
+
+def tps_cell(row, ph) -> str:
+    v, sd = row.get(f"{ph}_tps"), row.get(f"{ph}_tps_sd")
+    if v is None:
+        return "-"
+    prec = 2 if v < 100 else 1
+    return f"{v:.{prec}f} ± {sd:.{prec}f}" if sd is not None else f"{v:.{prec}f}"
+
+
+def main_table(bench: Bench, rows) -> str:
+    a = bench.args
+    headers = ["model", "size", "config", "moe_slots", "cap", "n_ubatch", "test", "t/s", "peak RSS",
+               "read/tok", "hit %", "reader GB/s", "drive GB/s", "% ceil"]
+    model, size = model_label(bench), fmt_bytes(bench.model_bytes, "GiB")
+    out = []
+    for row in rows:
+        base = [model, size, row["config"], slots_label(bench, row), cap_label(bench, row["cap"])]
+        if not row["status"].startswith("ok"):
+            what = {"oom": "OOM-killed", "timeout": "timeout", "skipped": "skipped"}.get(row["status"], "error")
+            phase = (row.get("error") or "").replace("OOM-killed ", "")
+            out.append(base + ["-", "load" if "load" in phase else phase[:24], what,
+                               fmt_bytes(row.get("peak_rss")), "-", "-", "-", "-", "-"])
+            continue
+        for ph, n in (("pp", row.get("n_pp", a.n_prompt)), ("tg", row.get("n_tg", a.n_gen))):
+            empanel = row["kind"] == EMPANEL
+            out.append(base + [
+                row.get("n_ubatch", "-"), f"{ph}{n}", tps_cell(row, ph), fmt_bytes(row.get("peak_rss")),
+                fmt_bytes(row.get(f"{ph}_read_per_tok")),
+                fmt(100 * row[f"{ph}_hit"] if empanel and row.get(f"{ph}_hit") is not None else None, ".1f"),
+                fmt(row.get(f"{ph}_reader_gbps")) if empanel else "-",
+                fmt(row.get("drive_gbps")) if ph == "tg" and empanel else "-",
+                fmt(row.get("pct_ceiling"), ".0f") if ph == "tg" and empanel else "-",
+            ])
+    return markdown(headers, out)
+
+
+def details_table(bench: Bench, rows) -> str:
+    """Where the decode time goes, per row (medians; ms per decoded token). 'cold': the warm-up
+    run right after load, before the measured one."""
+    headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
+               "write ms", "wait ms", "compute ms", "disk GB/s busy", "disk busy %", "ceiling t/s",
+               "reader % drive", "others' CPU %", "argmax = stock", "pp waves", "pp read", "pp hidden %",
+               "pp wait ms"]
+    out = []
+    for row in rows:
+        status = row["status"] if row["status"].startswith("ok") else (row.get("error") or row["status"])[:40]
+        out.append([row["config"], row["cap"], status, fmt(row.get("load_s"), ".1f"),
+                    fmt(row.get("cold_pp_tps")), fmt(row.get("cold_tg_tps")), fmt_bytes(row.get("peak_rss")),
+                    fmt_bytes(row.get("cgroup_peak")), fmt_bytes(row.get("tg_io_per_tok")),
+                    fmt(row.get("tg_read_ms"), ".1f"), fmt(row.get("tg_write_ms"), ".1f"),
+                    fmt(row.get("tg_wait_ms"), ".1f"), fmt(row.get("tg_compute_ms"), ".1f"),
+                    fmt(row.get("tg_dev_gbps")), fmt(row.get("tg_dev_busy_pct"), ".0f"), fmt(row.get("ceiling_tps")), fmt(row.get("reader_pct_drive"), ".0f"),
+                    fmt(row.get("others_cpu_pct"), ".0f"), row.get("argmax_agree", "-"),
+                    fmt(row.get("pp_waves"), ".1f"), fmt_bytes(row.get("pp_read_bytes")),
+                    fmt(row.get("pp_hidden_pct"), ".0f"), fmt(row.get("pp_wait_ms"), ".1f")])
+    return markdown(headers, out)
+
+
+def kv_bytes(bench: Bench) -> int:
+    """f16 K and V cache of the context the runs use."""
+    import gguf
+
+    reader = gguf.GGUFReader(bench.model_path)
+    arch = bench.index.architecture
+
+    def get(key, default):
+        f = reader.get_field(f"{arch}.{key}")
+        return int(f.contents()) if f is not None else default
+
+    n_embd = get("embedding_length", 0)
+    n_head = get("attention.head_count", 1)
+    n_head_kv = get("attention.head_count_kv", n_head)
+    k_len = get("attention.key_length", n_embd // max(1, n_head))
+    v_len = get("attention.value_length", k_len)
+    return bench.index.n_layer * bench.args.n_ctx * n_head_kv * (k_len + v_len) * 2
+
+
+def targets(bench: Bench, rows) -> list[str]:
+    """Issue 4's targets, each measured or said why not."""
+    from ..sizing import DEFAULT_POLICY, plan_slots
+
+    lines = []
+    stock = find_row(rows, STOCK, CAP_NONE)
+    full = find_row(rows, "empanel-100%", CAP_NONE)
+    if stock and full:
+        r = full["tg_tps"] / stock["tg_tps"]
+        lines.append(f"- 100% slots vs stock resident decode: {full['tg_tps']:.2f} / {stock['tg_tps']:.2f} t/s "
+                     f"= {r:.3f}x (target >= 0.99) {'MET' if r >= 0.99 else 'MISSED'}; "
+                     f"tg hit rate {fmt(100 * full['tg_hit'] if full.get('tg_hit') is not None else None, '.1f')}%")
+    else:
+        lines.append("- 100% slots vs stock resident: not measured (needs stock@none and empanel-100%@none)")
+    mmap128 = None
+    for row in rows:
+        if row["kind"] == MMAP and row["cap"] == CAP and row["status"].startswith("ok") and \
+                (row["config"].endswith("-ra128")):
+            mmap128 = row
+    capped = [r for r in rows if r["kind"] == EMPANEL and r["cap"] == CAP and r["status"].startswith("ok")]
+    if mmap128 and capped:
+        best = max(capped, key=lambda r: r["tg_tps"])
+        r = best["tg_tps"] / mmap128["tg_tps"]
+        lines.append(f"- under the cap: best empanel ({best['config']}) {best['tg_tps']:.2f} t/s vs stock mmap "
+                     f"@128 KiB readahead {mmap128['tg_tps']:.2f} t/s = {r:.1f}x (target >= 3) "
+                     f"{'MET' if r >= 3 else 'MISSED'}")
+    else:
+        lines.append("- under the cap vs stock mmap @128 KiB: not measured")
+    for row in rows:
+        if row["kind"] != EMPANEL or not row["status"].startswith("ok"):
+            continue
+        parts = [f"- {row['config']}@{row['cap']}:"]
+        if row.get("pct_ceiling") is not None:
+            parts.append(f"{row['tg_tps']:.2f} t/s = {row['pct_ceiling']:.0f}% of ceiling "
+                         f"{row['ceiling_tps']:.2f} t/s (target >= 85%) {'MET' if row['pct_ceiling'] >= 85 else 'MISSED'};")
+        if row.get("reader_pct_drive") is not None:
+            parts.append(f"reader {row['tg_reader_gbps']:.2f} GB/s = {row['reader_pct_drive']:.0f}% of drive "
+                         f"(target >= 85%) {'MET' if row['reader_pct_drive'] >= 85 else 'MISSED'};")
+        if row.get("tg_wait_ms") is not None:
+            resident_ms = 1000 / stock["tg_tps"] if stock and stock.get("tg_tps") else None
+            parts.append(f"per token: waiting {row['tg_wait_ms']:.1f} ms (read {fmt(row.get('tg_read_ms'), '.1f')}, "
+                         f"slot writes {fmt(row.get('tg_write_ms'), '.1f')}) + compute {fmt(row.get('tg_compute_ms'), '.1f')} ms "
+                         f"(resident {fmt(resident_ms, '.1f')} ms);")
+        try:
+            policy = row.get("moe_policy") or dict(bench.args.moe_opt).get("moe_policy", DEFAULT_POLICY)
+            pools = plan_slots(bench.index, row.get("moe_slots_resolved") or row["moe_slots"], policy).pool_bytes
+        except Exception:  # noqa: BLE001  (a sizing error is reported, not raised)
+            pools = None
+        if pools is not None and row.get("peak_rss"):
+            budget = 1.05 * (bench.index.other_bytes_total + pools + kv_bytes(bench))
+            base = median([s.get("rss_baseline") for s in bench.samples
+                            if s["config"] == row["config"] and s["cap"] == row["cap"] and s["status"] == "ok"
+                            and not s.get("discarded")]) or 0
+            ok = row["peak_rss"] - base <= budget
+            parts.append(f"peak RSS {fmt_bytes(row['peak_rss'])} ({fmt_bytes(row['peak_rss'] - base)} without the "
+                         f"{fmt_bytes(base)} interpreter) vs budget {fmt_bytes(budget)} "
+                         f"(weights+pools+KV+5%) {'MET' if ok else 'MISSED'}")
+        lines.append(" ".join(parts))
+    return lines
