@@ -131,7 +131,8 @@ struct empanel_pool {
     int32_t n_files;
     struct empanel_file * files;   // [n_files]
 
-    int32_t   policy;       // EMPANEL_POLICY_*
+    int32_t   policy;       // enum empanel_policy
+    int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read
     struct empanel_reader reader;
 
     // scratch of one remap: jobs, chunks, staging for non-direct pools

@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 5
+#define EMPANEL_SIDECAR_VERSION 6
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -42,11 +42,18 @@ struct empanel_pool_params {
     uint64_t budget_bytes; // EMPANEL_POLICY_GLRU: bytes of resident experts over all layers
 };
 
-#define EMPANEL_POLICY_LRU       0  // per layer: evict the least recently used expert
-#define EMPANEL_POLICY_LFU_DECAY 1  // per layer: evict the least frequently used, counts halving over time
-#define EMPANEL_POLICY_GLRU      2  // one budget for all layers: evict the least recently used expert of
-                                    // any layer; a layer's pool is its most, never-used slots take no
-                                    // memory (host pools)
+// eviction policies (struct empanel_pool_params.policy); Python reads these names through cffi
+enum empanel_policy {
+    EMPANEL_POLICY_LRU       = 0, // per layer: evict the least recently used expert
+    EMPANEL_POLICY_LFU_DECAY = 1, // per layer: evict the least frequently used, counts halving
+                                  // every n_slots micro-batches of the layer
+    EMPANEL_POLICY_GLRU      = 2  // one budget for all layers: evict the least recently used expert
+                                  // of any layer; a layer's pool is its most, never-used slots take
+                                  // no memory (host pools)
+};
+
+// the policy's name as users give it (moe_policy="lfu-decay"), NULL past the last policy
+EMPANEL_API const char * empanel_policy_name(int32_t policy);
 
 // counters of one layer; times in nanoseconds
 struct empanel_layer_stats {
@@ -133,6 +140,10 @@ EMPANEL_API uint64_t empanel_trace_size(struct empanel_pool * pool);
 // bytes of experts resident in all pools
 EMPANEL_API uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool);
 
+// the expert each slot of layer il holds (-1: empty) into expert_in [max]; returns the layer's
+// slots (0 for a layer that is not paged)
+EMPANEL_API int32_t empanel_pool_slots(struct empanel_pool * pool, int32_t il, int32_t * expert_in, int32_t max);
+
 // read experts into the empty slots of every paged layer, in expert id order, as far as the
 // slots (and the g-lru budget) go: pools that hold every expert end up holding the whole layer,
 // as a model loaded in full would. Call after every tensor is bound; returns the experts read,
@@ -144,6 +155,29 @@ EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struc
 EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
+
+// the policy lab: a pool without files, tensors or reader threads, whose remap runs the very
+// policy code of the engine's pools but reads nothing. expert_bytes [n_layer]: bytes of one
+// expert of each layer (what g-lru's budget counts). Free it with empanel_pool_free.
+EMPANEL_API struct empanel_pool * empanel_lab_init(
+        int32_t          policy,
+        int32_t          n_layer,
+        const int32_t  * n_slots,
+        int32_t          n_expert,
+        const uint64_t * expert_bytes,
+        uint64_t         budget_bytes,
+        char           * err,
+        size_t           err_size);
+
+// one remap call of layer il over n_experts expert ids (one micro-batch's, any order and
+// repeats): slot_ids [n_experts] gets each one's slot. Returns the distinct experts that missed
+// (and were "loaded"), or -1 (the reason in empanel_pool_error; empanel_pool_clear_error goes on).
+EMPANEL_API int32_t empanel_lab_access(
+        struct empanel_pool * pool,
+        int32_t               il,
+        const int32_t       * experts,
+        int32_t               n_experts,
+        int32_t             * slot_ids);
 
 #ifdef __cplusplus
 }

@@ -21,6 +21,15 @@ int32_t empanel_sidecar_version(void) {
     return EMPANEL_SIDECAR_VERSION;
 }
 
+const char * empanel_policy_name(int32_t policy) {
+    switch (policy) {
+        case EMPANEL_POLICY_LRU:       return "lru";
+        case EMPANEL_POLICY_LFU_DECAY: return "lfu-decay";
+        case EMPANEL_POLICY_GLRU:      return "g-lru";
+        default:                       return NULL;
+    }
+}
+
 void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...) {
     if (atomic_load(&pool->failed)) {
         return; // keep the first failure: it is the cause
@@ -111,19 +120,15 @@ static void layer_free(struct empanel_layer * layer) {
     }
 }
 
-struct empanel_pool * empanel_pool_init(
-        const struct empanel_pool_params * params,
-        const char * const * paths,
-        int32_t              n_paths,
-        int32_t              n_layer,
-        const int32_t      * n_slots,
-        int32_t              n_expert,
-        const struct empanel_tensor_desc * tensors,
-        int32_t              n_tensors,
-        char               * err,
-        size_t               err_size) {
-    if (n_paths <= 0 || n_layer <= 0 || n_expert <= 0) {
-        format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
+// the tables every pool has: layers with their slots, the policy; NULL with the reason in err
+static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int32_t * n_slots, int32_t n_expert,
+                                      char * err, size_t err_size) {
+    if (n_layer <= 0 || n_expert <= 0) {
+        format_err(err, err_size, "empanel_pool_init: need layers and experts");
+        return NULL;
+    }
+    if (policy != EMPANEL_POLICY_LRU && policy != EMPANEL_POLICY_LFU_DECAY && policy != EMPANEL_POLICY_GLRU) {
+        format_err(err, err_size, "empanel_pool_init: unknown policy %d", policy);
         return NULL;
     }
     struct empanel_pool * pool = calloc(1, sizeof(*pool));
@@ -138,27 +143,13 @@ struct empanel_pool * empanel_pool_init(
     pool->fault_after = fault != NULL ? atoll(fault) : 0;
     pool->n_layer  = n_layer;
     pool->n_expert = n_expert;
-    pool->policy   = params != NULL ? params->policy : EMPANEL_POLICY_LRU;
-    if (pool->policy != EMPANEL_POLICY_LRU && pool->policy != EMPANEL_POLICY_LFU_DECAY &&
-        pool->policy != EMPANEL_POLICY_GLRU) {
-        format_err(err, err_size, "empanel_pool_init: unknown policy %d", pool->policy);
-        pthread_mutex_destroy(&pool->lock);
-        free(pool);
-        return NULL;
-    }
+    pool->policy   = policy;
     pool->layers   = calloc(n_layer, sizeof(struct empanel_layer));
     if (pool->layers == NULL) {
         format_err(err, err_size, "empanel_pool_init: out of memory");
         empanel_pool_free(pool);
         return NULL;
     }
-
-    const int direct_io = params == NULL || params->direct_io >= 0;
-    if (empanel_files_open(pool, paths, n_paths, direct_io, err, err_size) != 0) {
-        empanel_pool_free(pool);
-        return NULL;
-    }
-
     for (int32_t il = 0; il < n_layer; il++) {
         pool->layers[il].observe = n_slots[il] < 0;
         if (n_slots[il] <= 0) {
@@ -174,6 +165,57 @@ struct empanel_pool * empanel_pool_init(
             empanel_pool_free(pool);
             return NULL;
         }
+    }
+    return pool;
+}
+
+// g-lru: one list over the slots of every layer (made for every policy: it is small); 0 or -1
+static int pool_link_lru(struct empanel_pool * pool, uint64_t budget_bytes, char * err, size_t err_size) {
+    pool->budget_bytes = budget_bytes;
+    pool->lru_head = pool->lru_tail = -1;
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        pool->layers[il].lru_base = pool->n_entries;
+        pool->n_entries += pool->layers[il].n_slots;
+    }
+    pool->lru_prev    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
+    pool->lru_next    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
+    pool->entry_layer = malloc(sizeof(int32_t) * (pool->n_entries + 1));
+    if (!pool->lru_prev || !pool->lru_next || !pool->entry_layer) {
+        format_err(err, err_size, "empanel_pool_init: out of memory");
+        return -1;
+    }
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        for (int32_t s = 0; s < pool->layers[il].n_slots; s++) {
+            pool->entry_layer[pool->layers[il].lru_base + s] = il;
+        }
+    }
+    return 0;
+}
+
+struct empanel_pool * empanel_pool_init(
+        const struct empanel_pool_params * params,
+        const char * const * paths,
+        int32_t              n_paths,
+        int32_t              n_layer,
+        const int32_t      * n_slots,
+        int32_t              n_expert,
+        const struct empanel_tensor_desc * tensors,
+        int32_t              n_tensors,
+        char               * err,
+        size_t               err_size) {
+    if (n_paths <= 0) {
+        format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
+        return NULL;
+    }
+    const int32_t policy = params != NULL ? params->policy : EMPANEL_POLICY_LRU;
+    struct empanel_pool * pool = pool_new(policy, n_layer, n_slots, n_expert, err, err_size);
+    if (pool == NULL) {
+        return NULL;
+    }
+    const int direct_io = params == NULL || params->direct_io >= 0;
+    if (empanel_files_open(pool, paths, n_paths, direct_io, err, err_size) != 0) {
+        empanel_pool_free(pool);
+        return NULL;
     }
 
     for (int32_t i = 0; i < n_tensors; i++) {
@@ -212,36 +254,34 @@ struct empanel_pool * empanel_pool_init(
         for (int32_t s = 0; s < layer->n_slots; s++) {
             t->held[s] = -1;
         }
+        layer->expert_bytes += d->expert_size;
     }
 
-    // g-lru: one list over the slots of every layer
-    pool->budget_bytes = params != NULL ? params->budget_bytes : 0;
-    pool->lru_head = pool->lru_tail = -1;
-    for (int32_t il = 0; il < n_layer; il++) {
-        struct empanel_layer * layer = &pool->layers[il];
-        layer->lru_base = pool->n_entries;
-        pool->n_entries += layer->n_slots;
-        for (int32_t i = 0; i < layer->n_tensors; i++) {
-            layer->expert_bytes += layer->tensors[i].expert_size;
-        }
-    }
-    pool->lru_prev    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
-    pool->lru_next    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
-    pool->entry_layer = malloc(sizeof(int32_t) * (pool->n_entries + 1));
-    if (!pool->lru_prev || !pool->lru_next || !pool->entry_layer) {
-        format_err(err, err_size, "empanel_pool_init: out of memory");
+    if (pool_link_lru(pool, params != NULL ? params->budget_bytes : 0, err, err_size) != 0) {
         empanel_pool_free(pool);
         return NULL;
     }
-    for (int32_t il = 0; il < n_layer; il++) {
-        for (int32_t s = 0; s < pool->layers[il].n_slots; s++) {
-            pool->entry_layer[pool->layers[il].lru_base + s] = il;
-        }
-    }
-
     const int32_t  n_threads   = params != NULL && params->n_threads   > 0 ? params->n_threads   : 8;
     const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
     if (empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {
+        empanel_pool_free(pool);
+        return NULL;
+    }
+    return pool;
+}
+
+struct empanel_pool * empanel_lab_init(int32_t policy, int32_t n_layer, const int32_t * n_slots, int32_t n_expert,
+                                       const uint64_t * expert_bytes, uint64_t budget_bytes,
+                                       char * err, size_t err_size) {
+    struct empanel_pool * pool = pool_new(policy, n_layer, n_slots, n_expert, err, err_size);
+    if (pool == NULL) {
+        return NULL;
+    }
+    pool->lab = 1;
+    for (int32_t il = 0; il < n_layer; il++) {
+        pool->layers[il].expert_bytes = expert_bytes[il];
+    }
+    if (pool_link_lru(pool, budget_bytes, err, err_size) != 0) {
         empanel_pool_free(pool);
         return NULL;
     }
@@ -387,6 +427,19 @@ uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool) {
     }
     pthread_mutex_unlock(&pool->lock);
     return bytes;
+}
+
+int32_t empanel_pool_slots(struct empanel_pool * pool, int32_t il, int32_t * expert_in, int32_t max) {
+    if (il < 0 || il >= pool->n_layer) {
+        return 0;
+    }
+    pthread_mutex_lock(&pool->lock);
+    const struct empanel_layer * layer = &pool->layers[il];
+    for (int32_t s = 0; s < layer->n_slots && s < max; s++) {
+        expert_in[s] = layer->expert_in[s];
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return layer->n_slots;
 }
 
 int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * pool_tensor) {

@@ -86,7 +86,7 @@ static int trace_call(struct empanel_pool * pool, int32_t il, const int32_t * ex
 // read experts layer->misses[0, n) into the claimed, empty slots layer->victims[0, n) and make
 // them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
 static int fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
-    if (empanel_read_experts(pool, layer, layer->misses, layer->victims, n) != 0) {
+    if (!pool->lab && empanel_read_experts(pool, layer, layer->misses, layer->victims, n) != 0) {
         if (pool->policy == EMPANEL_POLICY_GLRU) {
             pool->resident_bytes -= (uint64_t) n * layer->expert_bytes;
         }
@@ -630,4 +630,20 @@ void empanel_pool_clear_error(struct empanel_pool * pool) {
     pool->error[0] = '\0';
     atomic_store(&pool->failed, 0);
     pthread_mutex_unlock(&pool->lock);
+}
+
+int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t * experts, int32_t n_experts,
+                           int32_t * slot_ids) {
+    pthread_mutex_lock(&pool->lock);
+    int32_t rc = -1;
+    if (!pool->lab) {
+        empanel_set_error(pool, "empanel_lab_access: not a lab pool (empanel_lab_init)");
+    } else {
+        // one token routed to n_experts experts: the same distinct experts in the same order
+        const uint64_t misses = il >= 0 && il < pool->n_layer ? pool->layers[il].stats.misses : 0;
+        rc = remap_locked(pool, il, experts, n_experts, slot_ids, n_experts, 1);
+        rc = rc == 0 ? (int32_t) (pool->layers[il].stats.misses - misses) : -1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
 }

@@ -177,6 +177,23 @@ def native():
     return _sidecar
 
 
+def policy_names():
+    """The sidecar's eviction policies by name, as csrc/empanel.h numbers them (enum empanel_policy)."""
+    ffi, sidecar = native().ffi, native().sidecar
+    names = {}
+    while (name := sidecar.empanel_policy_name(len(names))) != ffi.NULL:
+        names[ffi.string(name).decode()] = len(names)
+    return names
+
+
+def policy_id(name):
+    """enum empanel_policy of a policy name ("lru", "lfu-decay", "g-lru"); ValueError if unknown."""
+    names = policy_names()
+    if name not in names:
+        raise ValueError(f"moe_policy={name!r}: one of {', '.join(names)}")
+    return names[name]
+
+
 def _header_text():
     """empanel.h as installed with the package (a copy sits next to the libraries)."""
     for path in (lib_dir() / "empanel.h", HEADER):

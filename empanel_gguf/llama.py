@@ -11,177 +11,14 @@ sidecar. Outputs are bit-identical to the model fully in memory on the same buil
 import sys
 import time
 
-from . import _native
-from ._native import native, use_our_libraries
+from ._native import use_our_libraries
 from .index import load_index
+from .pools import ExpertPools, MoeReadError, summary_line
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
 llama_cpp = use_our_libraries()
 
-
-class MoeReadError(RuntimeError):
-    """Reading experts from the model file failed during a decode; nothing was returned."""
-
-
-
-
-class ExpertPools:
-    """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
-
-    def __init__(self, index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True,
-                 trace=False):
-        self.index = index
-        self.plan = plan
-        self.n = native()
-        ffi = self.n.ffi
-        self._keep = []  # cffi buffers that must outlive the C pool
-        self.n_masked = 0  # pools whose waves are masked (a GPU kernel may compute on them): bind()
-
-        paths = [ffi.new("char[]", str(shard.path).encode()) for shard in index.shards]
-        path_array = ffi.new("const char *[]", paths)
-        n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
-        if trace:  # layers without a pool are observed: their routing is traced too
-            n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
-        paged = [t for t in index.expert_tensors() if n_slots[t.layer] > 0]
-        tensors = paged
-        names = [ffi.new("char[]", t.name.encode()) for t in tensors]
-        descs = ffi.new("struct empanel_tensor_desc[]", len(tensors))
-        for i, t in enumerate(tensors):
-            descs[i].layer = t.layer
-            descs[i].file = t.shard
-            descs[i].offset = t.offset
-            descs[i].expert_size = t.stride
-            descs[i].name = names[i]
-        if io_threads < 0 or chunk_kb < 4:
-            raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
-        params = ffi.new("struct empanel_pool_params *")
-        params.n_threads = io_threads
-        params.chunk_bytes = chunk_kb * 1024
-        params.direct_io = 1 if direct_io else -1
-        params.policy = POLICIES[policy]
-        params.budget_bytes = plan.budget_bytes if plan is not None else 0
-        self.n_slots = ffi.new("int32_t[]", n_slots)
-        self.paged = paged
-        err = ffi.new("char[]", 512)
-        self.pool = self.n.sidecar.empanel_pool_init(
-            params, path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
-            descs, len(tensors), err, 512)
-        if self.pool == ffi.NULL:
-            raise _native.NativeLibraryError(f"empanel: {ffi.string(err).decode()}")
-        self._keep += [paths, path_array, names, descs]
-        if trace:
-            self.n.sidecar.empanel_trace_enable(self.pool, 1)
-
-    def set_plan(self):
-        """Hand the plan to libllama for the load that follows on this thread."""
-        self.n.llama.llama_empanel_set_plan(self.n_slots, self.index.n_layer,
-                                            self.n.sidecar.empanel_remap, self.pool)
-
-    def clear_plan(self):
-        self.n.llama.llama_empanel_clear_plan()
-
-    def bind(self, model, ctx):
-        """Point the sidecar at the pool tensors of the loaded model; stop the graph on failure."""
-        model_p = self.n.ptr(model)
-        n_pools = self.n.llama.llama_empanel_n_pools(model_p)
-        tensors = self.paged
-        if n_pools != len(tensors):
-            raise _native.NativeLibraryError(
-                f"empanel: llama.cpp made {n_pools} slot pools for the {len(tensors)} routed-expert "
-                f"tensors of {self.index.path}; this architecture's loader is not supported yet")
-        self.n_masked = 0
-        for t in tensors:
-            pool_tensor = self.n.llama.llama_empanel_pool(model_p, t.name.encode())
-            if self.n.sidecar.empanel_pool_bind(self.pool, t.name.encode(), pool_tensor) != 0:
-                raise _native.NativeLibraryError(f"empanel: {self.error()}")
-            self.n_masked += bool(self.n.llama.llama_empanel_pool_masked(pool_tensor))
-        self.n.llama.llama_set_abort_callback(self.n.ptr(ctx), self.n.sidecar.empanel_pool_failed, self.pool)
-
-    def failed(self):
-        return bool(self.n.sidecar.empanel_pool_failed(self.pool))
-
-    def notice(self):
-        return self.n.ffi.string(self.n.sidecar.empanel_pool_notice(self.pool)).decode(errors="replace")
-
-    def error(self):
-        return self.n.ffi.string(self.n.sidecar.empanel_pool_error(self.pool)).decode(errors="replace")
-
-    def clear_error(self):
-        self.n.sidecar.empanel_pool_clear_error(self.pool)
-
-    def stats(self):
-        """Counters per MoE layer and in total (times in seconds)."""
-        ffi = self.n.ffi
-        out = ffi.new("struct empanel_layer_stats *")
-        layers = {}
-        total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
-                               "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
-                               "preloaded", "n_slots", "n_resident"), 0)
-        for il in self.index.moe_layers:
-            if self.n_slots[il] <= 0:
-                continue  # observed only
-            self.n.sidecar.empanel_stats_get(self.pool, il, out)
-            row = {
-                "n_remaps": out.n_remaps, "n_waves": out.n_waves, "n_ids": out.n_ids, "hits": out.hits,
-                "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
-                "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "wait_s": out.wait_ns / 1e9,
-                "write_s": out.write_ns / 1e9,
-                "copy_bytes": out.copy_bytes,
-                "remap_s": out.remap_ns / 1e9, "preloaded": out.preloaded,
-                "n_slots": out.n_slots, "n_resident": out.n_resident,
-            }
-            row["hit_rate"] = _rate(row["hits"], row["misses"])
-            layers[il] = row
-            for key in total:
-                total[key] += row[key]
-        total["hit_rate"] = _rate(total["hits"], total["misses"])
-        total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
-        total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
-        total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0
-        # waves per micro-batch and layer; reads done while the graph computed (overlap)
-        total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
-        total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
-        total["masked_pools"] = self.n_masked
-        return {"layers": layers, "total": total}
-
-    def take_trace(self):
-        """The routing recorded since the last call: int32 [layer, n_tokens, n_used, ids...]
-        per remap call (see empanel_trace_enable)."""
-        import numpy as np
-
-        n = self.n.sidecar.empanel_trace_size(self.pool)
-        out = np.empty(n, dtype=np.int32)
-        got = self.n.sidecar.empanel_trace_take(self.pool, self.n.ffi.cast("int32_t *", out.ctypes.data), n)
-        return out[:got]
-
-    def preload(self):
-        """Fill the empty slots with experts (lowest ids first) as far as slots and budget go;
-        the number of experts read. Raises MoeReadError if a read fails."""
-        n = self.n.sidecar.empanel_pool_preload(self.pool)
-        if n < 0:
-            message = self.error()
-            self.clear_error()
-            raise MoeReadError(f"preloading experts: {message}")
-        return n
-
-    def reset_stats(self):
-        self.n.sidecar.empanel_stats_reset(self.pool)
-
-    def free(self):
-        if self.pool is not None:
-            self.n.sidecar.empanel_pool_free(self.pool)
-            self.pool = None
-
-
-def _rate(hits, misses):
-    return hits / (hits + misses) if hits + misses else 0.0
-
-
-def summary_line(stats):
-    t = stats["total"]
-    return (f"empanel: {t['hits']} hits, {t['misses']} misses ({100 * t['hit_rate']:.1f}% hit), "
-            f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s ({t['read_gbps']:.2f} GB/s), "
-            f"{t['remap_s']:.3f} s in remap")
+__all__ = ["Llama", "MoeReadError"]
 
 
 class Llama(llama_cpp.Llama):
@@ -337,18 +174,16 @@ def _preload(experts, verbose):
 
 def _auto_slots(index, kwargs, verbose):
     """moe_slots="auto": the most slots that fit in available memory minus the floor (see
-    memory.py), or None when every expert fits."""
-    from . import memory
+    plan.py), or None when every expert fits."""
+    from .estimate import DEFAULT_N_CTX
+    from .plan import plan_load
 
-    n_ctx = kwargs.get("n_ctx", 512)
-    slots, _, est, available, floor, notes = memory.preflight(
-        index, "auto", n_ctx=n_ctx if n_ctx > 0 else memory.DEFAULT_N_CTX,
-        n_batch=kwargs.get("n_batch", 512), n_ubatch=kwargs.get("n_ubatch", 512),
-        n_gpu_layers=kwargs.get("n_gpu_layers", 0), logits_all=kwargs.get("logits_all", False),
-        force=True)
-    for text in notes:
+    kwargs = dict(kwargs)
+    kwargs["n_ctx"] = kwargs.get("n_ctx", 512) or DEFAULT_N_CTX
+    load = plan_load(index, "auto", kwargs, force=True)
+    for text in load.notes:
         _notice(verbose, text)
-    return slots
+    return load.moe_slots
 
 
 def _notice(verbose, text):

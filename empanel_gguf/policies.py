@@ -10,17 +10,16 @@ else a miss that is loaded; the experts of the current call are never evicted fo
 a call may need at most `capacity` distinct experts (CapacityError otherwise; replay.py splits
 such calls as the engine's n_ubatch cap would). Sizes are slots per layer.
 
-Engine-exact (slot by slot, victim choice and tie-breaks included, so that a replay reproduces the
-engine's hit and miss counts on the same calls):
+The engine's policies run in the engine's own code: each call is a remap of a sidecar pool that
+reads nothing (pools.LabPool over empanel_lab_init), so a replay reproduces the engine's hit and
+miss counts on the same calls, victims and tie-breaks included:
     LRU        per layer, least recently used slot; empty slots first, ties by lowest slot.
-    LFUDecay   per layer, fewest uses, then least recent; a loaded expert starts at one use, a hit
-               adds one per call, and every n_slots calls of the layer all counts halve.
-    GLRU       one budget of slots x (bytes of one expert of every layer) shared by all layers:
-               each layer's pool holds up to min(n_expert, max(2 x slots, slots + top-k)); a miss
-               in a full pool evicts that layer's LRU expert, otherwise the least recently used
-               experts of any layer (none of the current call) go until the budget fits.
+    LFUDecay   per layer, fewest uses, then least recent; every n_slots calls of the layer all
+               counts halve (the layer's own clock: resetting statistics leaves it).
+    GLRU       one budget of slots x (bytes of one expert of every layer) shared by all layers,
+               each layer's pool as sizing.pool_slots.
 Lab policies (expert granularity):
-    LFU        LFUDecay without the decay (counts live while the expert is resident).
+    LFU        LFUDecay without the decay (counts live while the expert is resident), in Python.
     SLRU       segmented LRU: new experts enter a probation segment, a hit promotes to a protected
                segment (80 % of the slots); evictions take probation's LRU first.
     ARC        adaptive replacement cache (Megiddo & Modha 2003) with its ghost lists.
@@ -30,11 +29,11 @@ Lab policies (expert granularity):
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import OrderedDict
 
-from .sizing import POLICIES as ENGINE_POLICY_IDS
+from .sizing import POLICIES as ENGINE_POLICY_NAMES
+from .sizing import pool_slots
 
 
 class CapacityError(ValueError):
@@ -62,6 +61,10 @@ class Policy:
     def access(self, layer, experts):
         raise NotImplementedError
 
+    def resident(self, layer):
+        """The experts the layer holds now."""
+        raise NotImplementedError
+
     @staticmethod
     def _distinct(experts):
         return list(dict.fromkeys(experts))
@@ -73,197 +76,131 @@ class Policy:
 
 
 # ------------------------------------------------------------------------------------------------
-# the engine's policies, slot by slot
+# the engine's policies, run by the sidecar itself
 
 
-class _Pool:
-    """One MoE layer's slots as csrc/pool.c keeps them (struct empanel_layer)."""
-
-    __slots__ = ("n_slots", "slot_of", "expert_in", "last_use", "call_mark", "uses", "n_remaps")
-
-    def __init__(self, n_slots):
-        self.n_slots = n_slots
-        self.slot_of = {}                 # expert -> slot
-        self.expert_in = [-1] * n_slots   # slot -> expert, -1 empty
-        self.last_use = [0] * n_slots     # call that last used the slot; 0: empty
-        self.call_mark = [0] * n_slots    # call that uses the slot now
-        self.uses = [0] * n_slots         # LFU counts
-        self.n_remaps = 0
-
-    def note_use(self, s, call):
-        self.call_mark[s] = call
-        self.last_use[s] = call
-        self.uses[s] += 1
+DEFAULT_N_EXPERT = 1024  # expert ids a per-layer engine policy accepts when not told n_expert
 
 
 class _EnginePolicy(Policy):
-    lfu = False    # order victims by uses first
-    decay = False  # halve the uses every n_slots calls of a layer
-    one_by_one = False  # victims change the others' order while they are picked (g-lru)
+    """An engine policy replayed by the engine's own code: each call is one remap of a lab pool
+    (pools.LabPool, a sidecar pool that reads nothing), so victims, tie-breaks and the decay clock
+    are the engine's by construction. Per-layer policies keep one lab pool per layer key."""
 
-    def __init__(self, slots):
+    engine = "?"  # the policy's name in the sidecar (enum empanel_policy)
+
+    def __init__(self, slots, n_expert=None):
         super().__init__(slots)
-        self.pools = {}
-        self.call = 0  # the engine's call counter (pool->call): one per access, all layers
+        self.n_expert = n_expert or max(DEFAULT_N_EXPERT, slots)
+        self.labs = {}
 
-    def pool(self, layer):
-        pool = self.pools.get(layer)
-        if pool is None:
-            pool = self.pools[layer] = _Pool(self.capacity(layer))
-        return pool
+    def lab(self, layer):
+        """(lab pool, its layer index) for a layer key."""
+        lab = self.labs.get(layer)
+        if lab is None:
+            from .pools import LabPool
 
-    def _pick_victim(self, pool, call):
-        """pick_victim: among the slots this call does not use, the fewest uses (LFU only), then
-        the least recent use, then the lowest slot; empty slots (0 uses, last use 0) first."""
-        victim, fewest, oldest = -1, math.inf, math.inf
-        uses, last_use, call_mark = pool.uses, pool.last_use, pool.call_mark
-        for s in range(pool.n_slots):
-            if call_mark[s] == call:
-                continue
-            u = uses[s] if self.lfu else 0
-            if u < fewest or (u == fewest and last_use[s] < oldest):
-                victim, fewest, oldest = s, u, last_use[s]
-        return victim
-
-    def _pick_victims(self, pool, call, n):
-        """The n victims _pick_victim would pick one after the other, at once: a pick changes only
-        the picked slot (it becomes this call's), so they are the n first slots in its order."""
-        uses, last_use, call_mark = pool.uses, pool.last_use, pool.call_mark
-        if self.lfu:
-            order = ((uses[s], last_use[s], s) for s in range(pool.n_slots) if call_mark[s] != call)
-        else:
-            order = ((last_use[s], s) for s in range(pool.n_slots) if call_mark[s] != call)
-        return [key[-1] for key in heapq.nsmallest(n, order)]
-
-    # hooks for g-lru's shared list
-    def _on_hit(self, layer, s):
-        pass
-
-    def _on_evict_full(self, layer, s):
-        pass
-
-    def _on_fill_empty(self, layer, call):
-        pass
-
-    def _on_loaded(self, layer, s):
-        pass
+            lab = self.labs[layer] = LabPool(self.engine, [self.capacity(layer)], self.n_expert)
+        return lab, 0
 
     def access(self, layer, experts):
         experts = self._distinct(experts)
-        pool = self.pool(layer)
-        self.call += 1
-        call = self.call
-        hits = 0
-        misses = []
-        for e in experts:
-            s = pool.slot_of.get(e)
-            if s is None:
-                misses.append(e)
-            elif pool.call_mark[s] != call:
-                pool.note_use(s, call)
-                hits += 1
-                self._on_hit(layer, s)
-        victims = []
-        picks = None if self.one_by_one else iter(self._pick_victims(pool, call, len(misses)))
-        for e in misses:
-            s = self._pick_victim(pool, call) if picks is None else next(picks, -1)
-            if s < 0:
-                raise CapacityError(f"{self.name}: a call routes to {len(experts)} distinct experts, "
-                                    f"layer {layer} holds {pool.n_slots}")
-            if pool.expert_in[s] >= 0:  # a full pool: its own least recent expert goes
-                del pool.slot_of[pool.expert_in[s]]
-                self._on_evict_full(layer, s)
-            else:
-                self._on_fill_empty(layer, call)
-            pool.expert_in[s] = -1
-            pool.uses[s] = 0
-            pool.note_use(s, call)
-            victims.append(s)
-        for e, s in zip(misses, victims):
-            pool.expert_in[s] = e
-            pool.slot_of[e] = s
-            self._on_loaded(layer, s)
-        pool.n_remaps += 1
-        if self.decay and pool.n_remaps % pool.n_slots == 0:
-            pool.uses = [u // 2 for u in pool.uses]
-        return hits, len(misses)
+        self._check(layer, experts)
+        lab, il = self.lab(layer)
+        return lab.access(il, experts)
+
+    def slot_table(self, layer):
+        """[n_slots] the expert each of the layer's slots holds (-1: empty), as the engine keeps it."""
+        lab, il = self.lab(layer)
+        return lab.slot_table(il)
+
+    def resident(self, layer):
+        return {e for e in self.slot_table(layer) if e >= 0}
 
 
 class LRU(_EnginePolicy):
-    """Per-layer LRU, exactly the engine's moe_policy="lru"."""
+    """Per-layer LRU: the engine's moe_policy="lru"."""
 
-    name = "lru"
+    name = engine = "lru"
 
 
 class LFUDecay(_EnginePolicy):
-    """Per-layer LFU with decay, exactly the engine's moe_policy="lfu-decay"."""
+    """Per-layer LFU with decay: the engine's moe_policy="lfu-decay"."""
 
-    name = "lfu-decay"
-    lfu = True
-    decay = True
-
-
-class LFU(_EnginePolicy):
-    """Per-layer LFU (ties: least recent), counts reset when an expert is loaded; no decay."""
-
-    name = "lfu"
-    lfu = True
-
-
-GLRU_HEADROOM = 2  # sizing.GLRU_HEADROOM: a layer's pool holds up to twice its even share
+    name = engine = "lfu-decay"
 
 
 class GLRU(_EnginePolicy):
-    """One budget for all layers with a global LRU list, exactly the engine's moe_policy="g-lru".
+    """One budget for all layers with a global LRU list: the engine's moe_policy="g-lru".
 
-    slots: the even share per layer (the engine's moe_slots); expert_bytes: layer -> bytes of one
-    expert; budget = slots x the sum of expert_bytes."""
+    slots: the even share per layer (the engine's moe_slots); expert_bytes: layer id -> bytes of
+    one expert; budget = slots x the sum of expert_bytes; each layer's pool as sizing.pool_slots."""
 
-    name = "g-lru"
-    one_by_one = True  # making room in the budget may empty slots of the same layer
+    name = engine = "g-lru"
 
     def __init__(self, slots, expert_bytes, n_expert, n_expert_used):
-        super().__init__(slots)
+        super().__init__(slots, n_expert)
+        from .pools import LabPool
+
         self.expert_bytes = dict(expert_bytes)
         self.budget = slots * sum(self.expert_bytes.values())
-        self.n_slots = min(n_expert, max(GLRU_HEADROOM * slots, slots + n_expert_used))
-        self.resident = 0          # bytes of resident experts (the engine's resident_bytes)
-        self.lru = OrderedDict()   # (layer, slot) of resident experts, least recent first
+        self.n_slots = pool_slots("g-lru", slots, n_expert, n_expert_used)
+        n_layer = max(self.expert_bytes) + 1
+        self.shared = LabPool("g-lru", [self.n_slots if il in self.expert_bytes else 0 for il in range(n_layer)],
+                              n_expert, [self.expert_bytes.get(il, 0) for il in range(n_layer)], self.budget)
 
     def capacity(self, layer=None):
         return self.n_slots
 
-    def _on_hit(self, layer, s):
-        self.lru.move_to_end((layer, s))
+    def resident_bytes(self):
+        """Bytes of the experts resident in all layers (what the budget counts)."""
+        return self.shared.resident_bytes()
 
-    def _on_evict_full(self, layer, s):
-        del self.lru[(layer, s)]  # its bytes stay counted for the one that comes
+    def lab(self, layer):
+        if layer not in self.expert_bytes:
+            raise ValueError(f"g-lru: layer {layer!r} has no expert size (expert_bytes)")
+        return self.shared, layer
 
-    def _on_loaded(self, layer, s):
-        self.lru[(layer, s)] = None
 
-    def _on_fill_empty(self, layer, call):
-        """glru_make_room: evict the least recent experts of any layer (none of this call) until
-        one more expert of `layer` fits; the budget yields when only this call's are left."""
-        need = self.expert_bytes[layer]
-        if self.resident + need > self.budget:
-            gone, freed = [], 0
-            for key in self.lru:
-                if self.resident - freed + need <= self.budget:
-                    break
-                other, s = key
-                if self.pools[other].call_mark[s] != call:
-                    gone.append(key)
-                    freed += self.expert_bytes[other]
-            for other, s in gone:
-                del self.lru[(other, s)]
-                pool = self.pools[other]
-                del pool.slot_of[pool.expert_in[s]]
-                pool.expert_in[s] = -1
-                pool.last_use[s] = 0  # empty: taken first by its layer
-                pool.uses[s] = 0
-                self.resident -= self.expert_bytes[other]
-        self.resident += need
+class LFU(Policy):
+    """Lab only: per layer, the fewest uses since the expert was loaded, ties to the least recent,
+    then the lowest slot (the engine's lfu-decay without the decay)."""
+
+    name = "lfu"
+
+    def __init__(self, slots):
+        super().__init__(slots)
+        self.layers = {}
+        self.call = 0
+
+    def access(self, layer, experts):
+        experts = self._distinct(experts)
+        self._check(layer, experts)
+        st = self.layers.get(layer)
+        if st is None:  # expert -> slot; per slot: expert (-1 empty), uses, call of last use
+            st = self.layers[layer] = ({}, [-1] * self.slots, [0] * self.slots, [0] * self.slots)
+        slot_of, expert_in, uses, last_use = st
+        self.call += 1
+        used, misses = set(), []
+        for e in experts:
+            s = slot_of.get(e)
+            if s is None:
+                misses.append(e)
+            else:
+                uses[s] += 1
+                last_use[s] = self.call
+                used.add(s)
+        victims = sorted((uses[s], last_use[s], s) for s in range(self.slots) if s not in used)
+        for e, (_, _, s) in zip(misses, victims):
+            if expert_in[s] >= 0:
+                del slot_of[expert_in[s]]
+            expert_in[s], slot_of[e] = e, s
+            uses[s], last_use[s] = 1, self.call
+        return len(experts) - len(misses), len(misses)
+
+    def resident(self, layer):
+        st = self.layers.get(layer)
+        return set(st[0]) if st is not None else set()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -463,7 +400,7 @@ class Belady(_PerLayer):
 
 
 POLICIES = ("lru", "g-lru", "lfu", "lfu-decay", "slru", "arc", "belady")
-ENGINE_POLICIES = tuple(ENGINE_POLICY_IDS)  # what Llama(moe_policy=...) runs
+ENGINE_POLICIES = ENGINE_POLICY_NAMES  # what Llama(moe_policy=...) runs
 
 
 def make_policy(name, slots, *, expert_bytes=None, n_expert=None, n_expert_used=None):
@@ -471,6 +408,8 @@ def make_policy(name, slots, *, expert_bytes=None, n_expert=None, n_expert_used=
     expert_bytes, n_expert and n_expert_used)."""
     if name == "g-lru":
         return GLRU(slots, expert_bytes, n_expert, n_expert_used)
+    if name in ("lru", "lfu-decay"):
+        return {"lru": LRU, "lfu-decay": LFUDecay}[name](slots, n_expert)
     classes = {"lru": LRU, "lfu": LFU, "lfu-decay": LFUDecay, "slru": SLRU, "arc": ARC,
                "belady": Belady}
     if name not in classes:

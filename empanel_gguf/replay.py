@@ -28,7 +28,9 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from .policies import ENGINE_POLICIES, GLRU_HEADROOM, POLICIES, make_policy
+from .format import format_bytes
+from .policies import ENGINE_POLICIES, POLICIES, make_policy
+from .sizing import GLRU_HEADROOM, pool_slots
 
 
 @dataclass
@@ -37,12 +39,6 @@ class Call:
     experts: list     # distinct expert ids, in order of first use
     counted: bool     # a decode micro-batch's call (counted), else warm-up
 
-
-def engine_capacity(policy, slots, n_expert, n_expert_used):
-    """Slots a layer's pool has for `policy` at `slots` per layer (sizing.plan_slots)."""
-    if policy == "g-lru":
-        return min(n_expert, max(GLRU_HEADROOM * slots, slots + n_expert_used))
-    return slots
 
 
 def build_calls(trace, max_tokens=None, count="decode"):
@@ -153,7 +149,7 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
     results = []
     for name in policies:
         for slots in sizes:
-            capacity = engine_capacity(name, slots, trace.n_expert, k)
+            capacity = pool_slots(name, slots, trace.n_expert, k)
             max_tokens = max(1, capacity // k)
             if ubatch:
                 max_tokens = min(max_tokens, ubatch)
@@ -206,7 +202,7 @@ def engine_check(trace, results):
         return None
     # micro-batches that did not fit the pools ran in waves, which the replay models as split
     # micro-batches: same reads, another state afterwards, so the counts are not comparable
-    capacity = engine_capacity(rec["moe_policy"], rec.get("slots") or 0, meta["n_expert"], meta["n_expert_used"])
+    capacity = pool_slots(rec["moe_policy"], rec.get("slots") or 0, meta["n_expert"], meta["n_expert_used"])
     if len(trace.ubatch) and int(trace.ubatch.max()) * meta["n_expert_used"] > capacity:
         return None
     for r in results:
@@ -222,13 +218,6 @@ def engine_check(trace, results):
 
 # ------------------------------------------------------------------------------------------------
 # output
-
-
-def _bytes(n):
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def format_report(report, path=None):
@@ -252,14 +241,14 @@ def format_report(report, path=None):
         ceiling = "inf" if math.isinf(r["ceiling_tok_s"]) else f"{r['ceiling_tok_s']:.1f} tok/s"
         slots = f"{r['slots']}" + ("*" if r["capacity"] != r["slots"] else "")
         lines.append(f"{r['policy']:<10} {slots:>5} {100 * r['hit_rate']:>7.1f}% "
-                     f"{_bytes(r['missed_bytes_per_token']):>13} {ceiling:>20}")
+                     f"{format_bytes(r['missed_bytes_per_token']):>13} {ceiling:>20}")
     if any(r["capacity"] != r["slots"] for r in report["results"]):
         lines.append(f"* g-lru: a budget of that many slots per layer, shared; a layer holds up to "
                      f"min(n_expert, max({GLRU_HEADROOM}N, N + top-k))")
     split = {r["n_split_ubatches"] for r in report["results"] if r["n_split_ubatches"]}
     if split:
-        lines.append("some recorded micro-batches were longer than the engine's n_ubatch cap at a "
-                     "replayed size and were split as the engine would")
+        lines.append("some recorded micro-batches routed to more experts than a pool holds at a "
+                     "replayed size: the engine runs them in waves, the replay splits them")
     check = report.get("engine_check")
     if check:
         verdict = "match" if check["match"] else "DIFFER"

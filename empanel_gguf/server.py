@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import llama_cpp  # our libraries first
-from . import memory
+from .host_memory import available_memory, parse_floor, peak_rss
+from .plan import parse_moe_slots, plan_load
 from .sizing import DEFAULT_POLICY
 from .llama import Llama as EmpanelLlama
 
@@ -165,29 +166,20 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
         alias = settings.model_alias or settings.model
         if settings.hf_model_repo_id is None and not settings.vocab_only:
             index = load_index(settings.model)
-            floor = memory.parse_floor(getattr(settings, "mem_floor", None))
-            slots = memory.parse_moe_slots(getattr(settings, "moe_slots", None) or "auto")
-            moe_slots, plan, est, available, floor, notes = memory.preflight(
-                index, slots, n_ctx=settings.n_ctx, n_batch=settings.n_batch,
-                n_ubatch=settings.n_ubatch, n_gpu_layers=settings.n_gpu_layers,
-                logits_all=settings.logits_all, flash_attn=settings.flash_attn,
-                type_k=settings.type_k, type_v=settings.type_v, floor=floor,
-                force=getattr(settings, "force", False), what=f"loading {alias}")
-            for text in notes:
+            load = plan_load(index, parse_moe_slots(getattr(settings, "moe_slots", None) or "auto"),
+                             settings.model_dump(), policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
+                             floor=parse_floor(getattr(settings, "mem_floor", None)),
+                             force=getattr(settings, "force", False), what=f"loading {alias}")
+            for text in load.report(index):
                 _log(text)
-            if plan is not None:
-                _log(f"{alias}: {plan.min_slots} of {plan.n_expert} expert slots per MoE layer, "
-                     f"{memory.fmt_bytes(plan.pool_bytes)} of pools instead of "
-                     f"{memory.fmt_bytes(index.expert_bytes_total)} of experts")
-            _log(f"memory: about {memory.fmt_bytes(est.host)} needed, {memory.fmt_bytes(available)} "
-                 f"available, {memory.fmt_bytes(floor)} kept free")
-            info = {"moe_slots": moe_slots, "plan": plan, "index": index, "estimate": est,
-                    "floor": floor}
+            moe_slots = load.moe_slots
+            info = {"moe_slots": moe_slots, "plan": load.plan, "index": index, "estimate": load.estimate,
+                    "floor": load.floor}
         else:  # a hub download or vocabulary only: nothing to size before the file is here
-            moe_slots = memory.parse_moe_slots(getattr(settings, "moe_slots", None))
+            moe_slots = parse_moe_slots(getattr(settings, "moe_slots", None))
             moe_slots = None if moe_slots == "auto" or settings.vocab_only else moe_slots
             info = {"moe_slots": moe_slots, "plan": None, "index": None, "estimate": None,
-                    "floor": memory.parse_floor(getattr(settings, "mem_floor", None))}
+                    "floor": parse_floor(getattr(settings, "mem_floor", None))}
 
         saved = _model.llama_cpp
         _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots, getattr(settings, "moe_policy", DEFAULT_POLICY)))
@@ -283,8 +275,8 @@ def stats_json(proxy, sampler):
         raise HTTPException(status_code=503, detail="a model is loading")
     alias, stats, info = snap
     out = {"model": alias, "slot_pools": stats is not None,
-           "memory": {"available_bytes": memory.available_memory(), "floor_bytes": info.get("floor"),
-                      "peak_rss_bytes": _peak_rss()}}
+           "memory": {"available_bytes": available_memory(), "floor_bytes": info.get("floor"),
+                      "peak_rss_bytes": peak_rss()}}
     est = info.get("estimate")
     if est is not None:
         out["memory"]["estimated_bytes"] = est.host
@@ -295,13 +287,6 @@ def stats_json(proxy, sampler):
         out["layers"] = {str(il): row for il, row in stats["layers"].items()}
         out["recent"] = sampler.recent() if sampler is not None else None
     return out
-
-
-def _peak_rss():
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 _METRICS = (  # name, stats key, type, help

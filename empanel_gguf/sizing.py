@@ -24,7 +24,7 @@ _UNITS = {
 }
 
 
-POLICIES = {"lru": 0, "lfu-decay": 1, "g-lru": 2}  # eviction policies: EMPANEL_POLICY_* in csrc/empanel.h
+POLICIES = ("lru", "lfu-decay", "g-lru")  # the engine's policies (_native.policy_names(): the C enum)
 DEFAULT_POLICY = "lfu-decay"  # measured: fewer misses than lru and g-lru (README, Performance)
 
 GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share
@@ -80,15 +80,21 @@ def plan_slots(index, moe_slots, policy="lru"):
 
     n_slots = [0] * index.n_layer
     pool_bytes = sum(wanted * layer.expert_bytes for layer in layers)
-    capacity = wanted
-    if policy == "g-lru":
-        capacity = min(n_expert, max(GLRU_HEADROOM * wanted, wanted + k))
+    capacity = pool_slots(policy, wanted, n_expert, k)
     for layer in layers:
         n_slots[layer.layer] = capacity
     return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k, pool_bytes=pool_bytes,
                     notices=notices, budget_bytes=pool_bytes if policy == "g-lru" else 0,
                     capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers),
                     holds_all=wanted >= n_expert)
+
+
+def pool_slots(policy, slots, n_expert, n_expert_used):
+    """Slots a layer's pool has for `slots` per layer: `slots`, or under g-lru (one budget of
+    `slots` experts per layer) up to GLRU_HEADROOM times that, at least top-k more."""
+    if policy == "g-lru":
+        return min(n_expert, max(GLRU_HEADROOM * slots, slots + n_expert_used))
+    return slots
 
 
 def _wanted_slots(index, moe_slots):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from empanel_gguf import Llama
-from empanel_gguf.commands.run import BUILTIN_MODEL, default_model_path
+from empanel_gguf.commands.options import BUILTIN_MODEL, default_model_path
 from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from empanel_gguf import Llama, fixtures, memory
+from empanel_gguf import Llama, fixtures, estimate, guard, host_memory, plan
 from empanel_gguf.index import load_index
 from empanel_gguf.sizing import plan_slots
 
@@ -224,27 +224,27 @@ def test_exec_print_env():
 def test_estimate_counts_weights_pools_kv_and_compute(model):
     index = load_index(model)
     plan = plan_slots(index, 8)
-    est = memory.estimate(index, plan, n_ctx=512)
+    est = estimate.estimate(index, plan, n_ctx=512)
     assert est.weights == index.other_bytes_total
     assert est.experts == plan.pool_bytes
     # 3 layers x 2 KV heads x (16 + 16) dims x 2 bytes (F16) per token
     assert est.kv_per_token == 3 * 2 * 32 * 2
     assert est.kv == 512 * est.kv_per_token
-    assert est.compute >= memory.RUNTIME_BYTES
+    assert est.compute >= estimate.RUNTIME_BYTES
     assert est.total == est.weights + est.experts + est.kv + est.compute == est.host
 
-    full = memory.estimate(index, None, n_ctx=512)
+    full = estimate.estimate(index, None, n_ctx=512)
     assert full.experts == index.expert_bytes_total
-    assert memory.estimate(index, plan, n_ctx=0).n_ctx == 512  # 0: the model's context
-    q8 = memory.estimate(index, plan, n_ctx=512, type_k=8, type_v=8)  # Q8_0 KV cache
+    assert estimate.estimate(index, plan, n_ctx=0).n_ctx == 512  # 0: the model's context
+    q8 = estimate.estimate(index, plan, n_ctx=512, type_k=8, type_v=8)  # Q8_0 KV cache
     assert q8.kv < est.kv
-    offloaded = memory.estimate(index, plan, n_ctx=512, n_gpu_layers=-1, gpu_offload=True)
+    offloaded = estimate.estimate(index, plan, n_ctx=512, n_gpu_layers=-1, gpu_offload=True)
     assert offloaded.host == offloaded.compute
 
 
 def test_estimate_mla(tmp_path):
     index = load_index(fixtures.write_fixture("deepseek2", tmp_path))
-    shape = memory.model_shape(index)
+    shape = estimate.model_shape(index)
     assert shape.mla and shape.n_head_kv == 1
     assert (shape.head_k, shape.head_v) == (32 + 16, 32)  # kv_lora_rank + rope dims, kv_lora_rank
 
@@ -252,71 +252,73 @@ def test_estimate_mla(tmp_path):
 def test_check_refuses_with_advice_that_fits(model):
     index = load_index(model)
     plan = plan_slots(index, 16)
-    est = memory.estimate(index, plan, n_ctx=512)
+    est = estimate.estimate(index, plan, n_ctx=512)
     floor = 1 << 20
     # room for the pools of 10 slots, not 16
     per_slot = sum(layer.expert_bytes for layer in index.layers)
     available = est.host - est.experts + 10 * per_slot + floor
-    with pytest.raises(memory.MemoryRefused) as err:
-        memory.check(est, index, plan, available=available, floor=floor)
+    with pytest.raises(guard.MemoryRefused) as err:
+        guard.check(est, index, plan, available=available, floor=floor)
     text = str(err.value)
     assert "--force" in text and "--mem-floor" in text
     slots = int(re.search(r"--moe-slots (\d+) ", text).group(1))
     assert 10 <= slots < 16  # 10 at least: fewer slots also mean smaller micro-batches
-    fits = memory.estimate(index, plan_slots(index, slots), n_ctx=512)
-    assert memory.check(fits, index, None, available=available, floor=floor) >= 0
-    too_many = memory.estimate(index, plan_slots(index, slots + 1), n_ctx=512)
-    with pytest.raises(memory.MemoryRefused):
-        memory.check(too_many, index, None, available=available, floor=floor)
+    fits = estimate.estimate(index, plan_slots(index, slots), n_ctx=512)
+    assert guard.check(fits, index, None, available=available, floor=floor) >= 0
+    too_many = estimate.estimate(index, plan_slots(index, slots + 1), n_ctx=512)
+    with pytest.raises(guard.MemoryRefused):
+        guard.check(too_many, index, None, available=available, floor=floor)
 
     # a big context: the advice names a context size that fits
-    big = memory.estimate(index, plan_slots(index, 4), n_ctx=512 * 64)
+    big = estimate.estimate(index, plan_slots(index, 4), n_ctx=512 * 64)
     available = big.host - big.kv + 2048 * big.kv_per_token + floor
-    with pytest.raises(memory.MemoryRefused, match=r"-c 2048 \(now 32768"):
-        memory.check(big, index, None, available=available, floor=floor)
-    assert memory.check(big, index, None, available=available, floor=floor, force=True) < 0
-    assert memory.check(big, index, None, available=None, floor=floor) is None  # unknown: no guard
+    with pytest.raises(guard.MemoryRefused, match=r"-c 2048 \(now 32768"):
+        guard.check(big, index, None, available=available, floor=floor)
+    assert guard.check(big, index, None, available=available, floor=floor, force=True) < 0
+    assert guard.check(big, index, None, available=None, floor=floor) is None  # unknown: no guard
 
 
-def test_preflight_auto_slots(model):
+def test_plan_load_auto_slots(model):
     index = load_index(model)
-    slots, plan, est, *_ = memory.preflight(index, "auto", n_ctx=512, available=1 << 40, floor=0)
-    assert slots is None and plan is None and est.experts == index.expert_bytes_total
-    full = memory.estimate(index, None, n_ctx=512)
-    six = memory.estimate(index, plan_slots(index, 6), n_ctx=512)
-    slots, plan, est, *_ = memory.preflight(index, "auto", n_ctx=512, available=six.host, floor=0)
-    assert slots == 6 and plan.min_slots == 6 and est.host == six.host < full.host
-    fewest = memory.estimate(index, plan_slots(index, 4), n_ctx=512)
-    with pytest.raises(memory.MemoryRefused, match="even the fewest slots"):
-        memory.preflight(index, "auto", n_ctx=512, available=fewest.host - 1, floor=0)
+    load = plan.plan_load(index, "auto", {"n_ctx": 512}, available=1 << 40, floor=0)
+    assert load.moe_slots is None and load.plan is None and load.estimate.experts == index.expert_bytes_total
+    assert load.requested == "auto" and load.available == 1 << 40 and load.floor == 0
+    full = estimate.estimate(index, None, n_ctx=512)
+    six = estimate.estimate(index, plan_slots(index, 6), n_ctx=512)
+    load = plan.plan_load(index, "auto", {"n_ctx": 512}, available=six.host, floor=0)
+    assert load.moe_slots == 6 and load.plan.min_slots == 6 and load.estimate.host == six.host < full.host
+    assert any("6 of" in line for line in load.report(index))
+    fewest = estimate.estimate(index, plan_slots(index, 4), n_ctx=512)
+    with pytest.raises(guard.MemoryRefused, match="even the fewest slots"):
+        plan.plan_load(index, "auto", {"n_ctx": 512}, available=fewest.host - 1, floor=0)
 
 
 def test_parse_helpers(monkeypatch):
-    assert memory.parse_floor("2GiB") == 2 << 30
-    assert memory.parse_floor("0") == 0
-    assert memory.parse_floor("10%", total=1000) == 100
-    assert memory.parse_floor(None, total=100 << 30) == 5 << 30
-    assert memory.parse_floor(None, total=4 << 30) == 1 << 30
+    assert host_memory.parse_floor("2GiB") == 2 << 30
+    assert host_memory.parse_floor("0") == 0
+    assert host_memory.parse_floor("10%", total=1000) == 100
+    assert host_memory.parse_floor(None, total=100 << 30) == 5 << 30
+    assert host_memory.parse_floor(None, total=4 << 30) == 1 << 30
     with pytest.raises(ValueError):
-        memory.parse_floor("lots")
-    assert [memory.parse_moe_slots(v) for v in ("none", "0", "auto", "8", "25%", None)] == \
+        host_memory.parse_floor("lots")
+    assert [plan.parse_moe_slots(v) for v in ("none", "0", "auto", "8", "25%", None)] == \
         [None, None, "auto", 8, "25%", None]
     monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", "3GiB")
-    assert memory.available_memory() == 3 << 30
+    assert host_memory.available_memory() == 3 << 30
     monkeypatch.delenv("EMPANEL_MEM_AVAILABLE")
     if sys.platform.startswith("linux"):
-        assert 0 < memory.available_memory() <= memory.total_memory()
+        assert 0 < host_memory.available_memory() <= host_memory.total_memory()
 
 
 def test_watchdog_trips_once_below_the_floor():
     values = iter([10, 9, 8, 3, 2, 1])
     calls = []
-    dog = memory.Watchdog(5, lambda available, floor: calls.append((available, floor)),
+    dog = guard.Watchdog(5, lambda available, floor: calls.append((available, floor)),
                           interval=0.01, available_fn=lambda: next(values, 1))
     with dog:
         assert dog.tripped.wait(5)
         time.sleep(0.05)
     assert calls == [(3, 5)]
     assert "below the floor" in dog.message()
-    idle = memory.Watchdog(0, None).start()  # floor 0: no thread at all
+    idle = guard.Watchdog(0, None).start()  # floor 0: no thread at all
     assert idle._thread is None

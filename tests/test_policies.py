@@ -30,7 +30,7 @@ def run(policy, calls, layer=0):
 
 
 def resident(policy, layer=0):
-    return {e for e in policy.pools[layer].expert_in if e >= 0}
+    return policy.resident(layer)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_lru_ties_go_to_the_lowest_slot_like_the_engine():
     # hits: [0], [2] = 2; misses: 0 1 2 3 4 = 5
     p = LRU(2)
     assert run(p, [[0], [1], [0], [2, 3], [4], [2]]) == (2, 5)
-    assert p.pools[0].expert_in == [4, 2]
+    assert p.slot_table(0) == [4, 2]
 
 
 def test_distinct_experts_count_once_per_call():
@@ -97,7 +97,7 @@ def test_lfu_decay_by_hand():
     # hits c2 c4 = 2, misses 5; expert 0 (s1) and 1 (s0) resident
     p = LFUDecay(2)
     assert run(p, LFU_CALLS) == (2, 5)
-    assert p.pools[0].expert_in == [1, 0]
+    assert p.slot_table(0) == [1, 0]
 
 
 def test_lfu_without_decay_by_hand():
@@ -130,7 +130,7 @@ def test_glru_shares_its_budget_across_layers():
     p = GLRU(2, {0: 100, 1: 100}, n_expert=8, n_expert_used=1)
     assert p.capacity() == 4 and p.budget == 400
     assert run(p, calls) == (1, 6)
-    assert resident(p, 0) == {0, 2, 3} and resident(p, 1) == {0} and p.resident == 400
+    assert resident(p, 0) == {0, 2, 3} and resident(p, 1) == {0} and p.resident_bytes() == 400
     assert run(LRU(2), calls) == (0, 7)
 
 
@@ -142,7 +142,7 @@ def test_glru_full_layer_evicts_its_own_lru_even_with_budget_left():
     calls = [(0, [e]) for e in range(5)] + [(0, [0]), (1, [0]), (0, [2])]
     p = GLRU(2, {0: 100, 1: 100, 2: 100}, n_expert=8, n_expert_used=1)
     assert run(p, calls) == (1, 7)
-    assert resident(p, 0) == {2, 3, 4, 0} and resident(p, 1) == {0} and p.resident == 500
+    assert resident(p, 0) == {2, 3, 4, 0} and resident(p, 1) == {0} and p.resident_bytes() == 500
 
 
 def test_glru_never_evicts_the_current_call_and_the_budget_yields():
@@ -150,8 +150,8 @@ def test_glru_never_evicts_the_current_call_and_the_budget_yields():
     # [0, 1]: two misses; the budget holds one, but both are this call's: 200 bytes resident.
     # [2]: miss; budget: 0 and 1 (least recent first) go until 100 more fit -> both go.
     p = GLRU(1, {0: 100}, n_expert=8, n_expert_used=2)
-    assert p.access(0, [0, 1]) == (0, 2) and p.resident == 200
-    assert p.access(0, [2]) == (0, 1) and p.resident == 100 and resident(p) == {2}
+    assert p.access(0, [0, 1]) == (0, 2) and p.resident_bytes() == 200
+    assert p.access(0, [2]) == (0, 1) and p.resident_bytes() == 100 and resident(p) == {2}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,8 +245,8 @@ def test_invariants_and_belady_bound_on_random_calls(seed):
                 for probation, protected in p.layers.values():
                     assert len(probation) + len(protected) <= slots
             else:
-                for pool in p.pools.values():
-                    assert len(pool.slot_of) <= slots
+                for lay in {lay for lay, _ in calls}:
+                    assert len(p.resident(lay)) <= slots
         # every policy with as many slots as experts misses only the first use of each
         assert run(make_policy("arc", 12), calls)[1] == len({(l, e) for l, es in calls for e in es})
 

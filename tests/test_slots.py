@@ -9,7 +9,7 @@ one output), so every run uses llama-cpp-python's default n_batch / n_ubatch (51
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures, memory
+from empanel_gguf import Llama, fixtures, estimate, host_memory
 from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
 from empanel_gguf.sizing import plan_slots
@@ -205,8 +205,8 @@ def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
     llm.close()
 
     index = load_index(path)
-    floor = memory.default_floor()
-    full = memory.estimate(index, None, n_ctx=128).host
+    floor = host_memory.default_floor()
+    full = estimate.estimate(index, None, n_ctx=128).host
     # room for about half of the experts on top of everything else
     available = floor + full - index.expert_bytes_total // 2
     monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", str(available))
@@ -214,7 +214,7 @@ def test_auto_slots_follow_available_memory(fixture_dir, monkeypatch):
     try:
         n_slots = llm.moe_stats()["total"]["n_slots"] // len(index.layers)
         assert index.n_expert_used <= n_slots < index.n_expert
-        assert memory.estimate(index, plan_slots(index, n_slots), n_ctx=128).host <= available - floor
+        assert estimate.estimate(index, plan_slots(index, n_slots), n_ctx=128).host <= available - floor
     finally:
         llm.close()
 

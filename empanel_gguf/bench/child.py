@@ -8,6 +8,7 @@ import resource
 import time
 from pathlib import Path
 
+from ..host_memory import proc_status
 from .host import read_sys
 from .configs import EMPANEL, MMAP
 
@@ -45,15 +46,6 @@ def last_logits(llm):
 
     ptr = llm._ctx.get_logits_ith(-1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
-
-
-def _proc_status() -> dict:
-    out = {}
-    for line in (read_sys("/proc/self/status", "") or "").splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
 
 
 def _proc_io() -> dict:
@@ -146,7 +138,7 @@ def child_main(spec_path: str) -> int:
     import empanel_gguf
     from empanel_gguf import Llama
 
-    baseline_rss = _proc_status().get("VmRSS")
+    baseline_rss = proc_status().get("VmRSS")
     kwargs = dict(n_ctx=spec["n_ctx"], n_batch=spec["n_batch"], n_ubatch=spec["n_ubatch"],
                   n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=False,
                   seed=0, verbose=True)
@@ -163,7 +155,7 @@ def child_main(spec_path: str) -> int:
     else:
         llm = Llama(spec["model"], **kwargs)
     load_s = time.perf_counter() - t0
-    after_load = _proc_status()
+    after_load = proc_status()
     prompt, trace = token_trace(llm, spec["n_prompt"], spec["n_gen"])
 
     warmup = None
@@ -221,7 +213,7 @@ def child_main(spec_path: str) -> int:
             break
     tg_finite = finite
     io2, moe2, dk2 = _proc_io(), _total(llm), _disk(disk)
-    status = _proc_status()
+    status = proc_status()
 
     lib = empanel_gguf._native.lib_dir() / "libempanel.so"
     result = {

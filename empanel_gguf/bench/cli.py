@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 from .synthetic import ModelShape, write_model
-from .host import GiB, MemCgroup, MiB, read_sys, block_queue_dir, meminfo, probe_drive
+from ..format import GiB, MiB
+from ..host_memory import meminfo
+from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
 from .runs import Bench, median, build_rows, log, run_child, sample_metrics

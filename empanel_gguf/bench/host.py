@@ -10,8 +10,6 @@ import time
 from pathlib import Path
 
 
-GiB = 1 << 30
-MiB = 1 << 20
 ALIGN = 4096  # O_DIRECT alignment used by the drive probe (as the sidecar's reader)
 
 
@@ -20,16 +18,6 @@ def read_sys(path, default=None):
         return Path(path).read_text().strip()
     except OSError:
         return default
-
-
-def meminfo() -> dict:
-    out = {}
-    for line in (read_sys("/proc/meminfo", "") or "").splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts:
-            out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-    return out
 
 
 def drop_caches() -> bool:

@@ -6,15 +6,14 @@ from __future__ import annotations
 from .configs import CAP, CAP_NONE, EMPANEL, MMAP, STOCK
 from .runs import Bench, find_row, median
 
-from .host import GiB, MiB
+from ..format import GiB, format_bytes
 
 
 def fmt_bytes(n, unit=None):
-    if n is None:
-        return "-"
-    if unit is None:
+    """Table cells: format_bytes, in GiB or MiB, '-' when unknown."""
+    if n is not None and unit is None:
         unit = "GiB" if abs(n) >= GiB else "MiB"
-    return f"{n / (GiB if unit == 'GiB' else MiB):.2f} {unit}"
+    return format_bytes(n, unit, missing="-")
 
 
 def fmt(v, spec=".2f", suffix=""):

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .host import GiB
+from ..format import GiB
 
 
 WRITER_VERSION = 1

@@ -20,7 +20,7 @@ It runs PROGRAM with these environment variables, which can also be set by hand
   EMPANEL_FORCE        1: load even when the guard estimates that the model does not fit
 
 Python started with -S or -I ignores PYTHONPATH/sitecustomize: there only the libraries change.
-A Llama that the guard refuses raises empanel_gguf.memory.MemoryRefused in the program.
+A Llama that the guard refuses raises empanel_gguf.guard.MemoryRefused in the program.
 """
 
 import argparse
@@ -33,7 +33,7 @@ BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "_bootstrap"
 
 
 def setup_arg_parser():
-    from .run import env_arg
+    from .options import env_arg
 
     parser = argparse.ArgumentParser(
         prog="empanel-gguf exec", usage="empanel-gguf exec [options] -- PROGRAM [ARGS...]",
@@ -127,29 +127,23 @@ def patch_llama_cpp(module):
 
 def _slots_from_env(model_path, kwargs):
     """EMPANEL_MOE_SLOTS for this load, after the memory guard (which raises MemoryRefused)."""
-    from .. import memory
+    from ..host_memory import parse_floor
     from ..index import ModelError, load_index
+    from ..plan import parse_moe_slots, plan_load
+    from ..sizing import DEFAULT_POLICY
 
-    moe_slots = memory.parse_moe_slots(os.environ.get("EMPANEL_MOE_SLOTS"))
+    moe_slots = parse_moe_slots(os.environ.get("EMPANEL_MOE_SLOTS"))
     if kwargs.get("vocab_only"):
         return None
     try:
         index = load_index(model_path)
     except (ModelError, OSError):
         return None if moe_slots == "auto" else moe_slots  # Llama reports the file's problem
-    floor_text = os.environ.get("EMPANEL_MEM_FLOOR")
-    floor = memory.parse_floor(floor_text)
     force = os.environ.get("EMPANEL_FORCE", "").strip().lower() in ("1", "true", "on", "yes")
-    moe_slots, plan, est, available, floor, notes = memory.preflight(
-        index, moe_slots, n_ctx=kwargs.get("n_ctx", 512), n_batch=kwargs.get("n_batch", 512),
-        n_ubatch=kwargs.get("n_ubatch", 512), n_gpu_layers=kwargs.get("n_gpu_layers", 0),
-        logits_all=kwargs.get("logits_all", False), flash_attn=kwargs.get("flash_attn", False),
-        type_k=kwargs.get("type_k"), type_v=kwargs.get("type_v"), floor=floor, force=force,
-        what=f"loading {Path(model_path).name}")
+    load = plan_load(index, moe_slots, kwargs, policy=kwargs.get("moe_policy", DEFAULT_POLICY),
+                     floor=parse_floor(os.environ.get("EMPANEL_MEM_FLOOR")), force=force,
+                     what=f"loading {Path(model_path).name}")
     if kwargs.get("verbose", True):
-        for text in notes:
+        for text in load.report(index):
             print(f"empanel: {text}", file=sys.stderr)
-        print(f"empanel: memory: about {memory.fmt_bytes(est.host)} needed, "
-              f"{memory.fmt_bytes(available)} available, {memory.fmt_bytes(floor)} kept free",
-              file=sys.stderr)
-    return moe_slots
+    return load.moe_slots

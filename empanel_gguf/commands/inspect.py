@@ -10,10 +10,9 @@ import argparse
 import json
 import sys
 
+from empanel_gguf.format import format_bytes
 from empanel_gguf.index import ModelError, ModelIndex, load_index
 
-MiB = 1024**2
-GiB = 1024**3
 
 
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -24,10 +23,6 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     return parser
 
 
-def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
-
-
 def format_summary(index: ModelIndex) -> str:
     lines = [
         f"model           {index.path}",
@@ -35,9 +30,9 @@ def format_summary(index: ModelIndex) -> str:
         f"architecture    {index.architecture}",
         f"layers          {index.n_layer} ({len(index.layers)} MoE)",
         f"experts         {index.n_expert} per MoE layer, top-k {index.n_expert_used}",
-        f"routed experts  {_size(index.expert_bytes_total)} ({index.expert_bytes_total} bytes)",
-        f"everything else {_size(index.other_bytes_total)} ({index.other_bytes_total} bytes)",
-        f"cold per token  {_size(index.cold_bytes_per_token)} ({index.cold_bytes_per_token} bytes, "
+        f"routed experts  {format_bytes(index.expert_bytes_total)} ({index.expert_bytes_total} bytes)",
+        f"everything else {format_bytes(index.other_bytes_total)} ({index.other_bytes_total} bytes)",
+        f"cold per token  {format_bytes(index.cold_bytes_per_token)} ({index.cold_bytes_per_token} bytes, "
         f"top-k experts of every MoE layer, no cache hits)",
     ]
     if not index.layers:

@@ -1,7 +1,7 @@
 """`empanel-gguf serve [MODEL.gguf] [--moe-slots N|P%|SIZE|auto] [--host H] [--port P] ...`: serve.
 
 llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`) with expert slot pools:
-every option of llama_cpp.server works as there (--n_ctx, --n_gpu_layers, --chat_format,
+every option of llama_cpp.server works as there (--n_ctx, --ngpu_layers, --chat_format,
 --config_file with a `models` list, ...), plus --moe_slots (also in each model of a config file),
 --mem_floor and --force. llama.cpp's spellings work too (-c/--ctx-size, -ngl, -t, -a/--alias,
 --moe-slots, ...) and read llama.cpp's LLAMA_ARG_* variables; llama_cpp.server's own variables
@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from .run import EXIT_MEMORY, DEFAULT_MODEL_SLOTS, _bool, _gpu_layers, default_model_path
+from .options import DEFAULT_MODEL_SLOTS, EXIT_MEMORY, default_model_path, gpu_layers, parse_bool
 
 # llama.cpp's spellings of llama_cpp.server's settings: (flags, setting, type, environment variable)
 LLAMA_CPP_ALIASES = (
@@ -33,8 +33,8 @@ LLAMA_CPP_ALIASES = (
     (("-ub", "--ubatch-size"), "n_ubatch", int, "LLAMA_ARG_UBATCH"),
     (("-t", "--threads"), "n_threads", int, "LLAMA_ARG_THREADS"),
     (("-tb", "--threads-batch"), "n_threads_batch", int, "LLAMA_ARG_THREADS_BATCH"),
-    (("-ngl", "--n-gpu-layers", "--gpu-layers"), "n_gpu_layers", _gpu_layers, "LLAMA_ARG_N_GPU_LAYERS"),
-    (("-fa", "--flash-attn"), "flash_attn", _bool, "LLAMA_ARG_FLASH_ATTN"),
+    (("-ngl", "--n-gpu-layers", "--gpu-layers"), "n_gpu_layers", gpu_layers, "LLAMA_ARG_N_GPU_LAYERS"),
+    (("-fa", "--flash-attn"), "flash_attn", parse_bool, "LLAMA_ARG_FLASH_ATTN"),
     (("--chat-template-format",), "chat_format", str, "LLAMA_ARG_CHAT_FORMAT"),
     (("--api-key",), "api_key", str, "LLAMA_API_KEY"),
     (("--host",), "host", str, "LLAMA_ARG_HOST"),
@@ -59,7 +59,7 @@ def setup_arg_parser():
             action.help = action.help.replace("%", "%%")
     parser.add_argument("--config_file", "--config-file", dest="config_file",
                         help="JSON or YAML file: server settings and a `models` list (env: CONFIG_FILE)")
-    parser.add_argument("--force", dest="force", nargs="?", const=True, type=_bool, default=None,
+    parser.add_argument("--force", dest="force", nargs="?", const=True, type=parse_bool, default=None,
                         help="load even when the memory guard estimates that it does not fit "
                              "(env: LLAMA_ARG_FORCE)")
     for flags, dest, kind, env in LLAMA_CPP_ALIASES:
@@ -75,7 +75,7 @@ def setup_arg_parser():
 
 def _apply_env(args):
     """LLAMA_ARG_* for what the command line left unset."""
-    for _, dest, kind, env in LLAMA_CPP_ALIASES + ((None, "force", _bool, "LLAMA_ARG_FORCE"),):
+    for _, dest, kind, env in LLAMA_CPP_ALIASES + ((None, "force", parse_bool, "LLAMA_ARG_FORCE"),):
         raw = os.environ.get(env)
         if getattr(args, dest, None) is None and raw not in (None, ""):
             setattr(args, dest, kind(raw))
@@ -110,10 +110,11 @@ def main(argv=None):
     try:
         import uvicorn
 
-        from .. import memory, server
+        from .. import server
     except ImportError as e:
         print(f"empanel-gguf serve: {e}", file=sys.stderr)
         return 1
+    from ..guard import MemoryRefused, Watchdog
     from ..index import ModelError
     from ..sizing import SlotsError
 
@@ -130,7 +131,7 @@ def main(argv=None):
     except (ModelError, SlotsError, ValueError, OSError) as e:
         print(f"empanel-gguf serve: {e}", file=sys.stderr)
         return 1
-    except memory.MemoryRefused as e:
+    except MemoryRefused as e:
         print(f"empanel-gguf serve: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
 
@@ -143,7 +144,7 @@ def main(argv=None):
     def on_low(available, floor):
         http.should_exit = True
 
-    guard = memory.Watchdog(proxy.floor or 0, on_low)
+    guard = Watchdog(proxy.floor or 0, on_low)
     scheme = "https" if server_settings.ssl_certfile else "http"
     print(f"empanel: serving {proxy.current()[0]} on {scheme}://{server_settings.host}:"
           f"{server_settings.port} (OpenAI API under /v1; stats: /v1/empanel/stats, /metrics)",

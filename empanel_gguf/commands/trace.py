@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from ..progress import PromptProgress
-from ..sizing import DEFAULT_POLICY, POLICIES
-from .run import DEFAULT_PROMPT, EXIT_MEMORY, add_memory_args, add_sampling_args, env_arg, note
+from .options import (DEFAULT_PROMPT, EXIT_MEMORY, add_load_args, add_memory_args, add_moe_args,
+                      add_sampling_args, env_arg, llama_kwargs, moe_kwargs, note, plan_from_args)
 
 
 def setup_arg_parser():
@@ -43,25 +43,8 @@ def setup_arg_parser():
     env_arg(parser, "-n", "--n-predict", env="LLAMA_ARG_N_PREDICT", type=int, default=64,
             help="tokens to generate after the prompt or document, and per chat reply (0: none, "
                  "-1: until the end of the text or a full context)")
-    env_arg(parser, "-c", "--ctx-size", env="LLAMA_ARG_CTX_SIZE", type=int, default=None,
-            show_default="4096, at most the model's; 0 = the model's", help="context size in tokens")
-    env_arg(parser, "-t", "--threads", env="LLAMA_ARG_THREADS", type=int, default=None,
-            show_default="half the CPUs", help="threads for generation")
-    env_arg(parser, "-tb", "--threads-batch", env="LLAMA_ARG_THREADS_BATCH", type=int, default=None,
-            show_default="all CPUs", help="threads for the prompt")
-    env_arg(parser, "-ngl", "--n-gpu-layers", "--gpu-layers", env="LLAMA_ARG_N_GPU_LAYERS", type=int,
-            default=0, help="layers to offload to the GPU (-1: all)")
-    env_arg(parser, "-b", "--batch-size", env="LLAMA_ARG_BATCH", type=int, default=512,
-            help="logical batch size")
-    env_arg(parser, "-ub", "--ubatch-size", env="LLAMA_ARG_UBATCH", type=int, default=512,
-            help="physical batch size (capped so that a micro-batch's experts fit a pool)")
-    env_arg(parser, "-ms", "--moe-slots", env="LLAMA_ARG_MOE_SLOTS", default="auto",
-            metavar="N|P%|SIZE|auto|none",
-            help="expert slots per MoE layer (auto: slot pools only if the experts do not fit in memory)")
-    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default=DEFAULT_POLICY,
-            choices=tuple(POLICIES), help="the engine's eviction policy")
-    env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
-            help="expert reader threads")
+    add_load_args(parser)
+    add_moe_args(parser)
     add_sampling_args(parser, temp=0.0)
     env_arg(parser, "-s", "--seed", env="LLAMA_ARG_SEED", type=int, default=-1,
             help="sampling seed, -1 = random")
@@ -86,8 +69,11 @@ def _load_chat(path):
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    from .. import Llama, llama_cpp, memory
+    from .. import Llama, llama_cpp
+    from ..estimate import cli_n_ctx, model_shape
+    from ..guard import MemoryRefused
     from ..index import ModelError, load_index
+    from ..plan import parse_moe_slots
     from ..sizing import SlotsError
     from ..trace import Recorder, TraceError, measure_overhead, record_chat
 
@@ -98,34 +84,25 @@ def main(argv=None):
         index = load_index(args.model)
         if not index.is_moe:
             raise ValueError(f"{name}: no routed experts ({index.architecture}): nothing to trace")
-        shape = memory.model_shape(index)
-        n_ctx = memory.cli_n_ctx(shape, args.ctx_size)
-        moe_slots, plan, est, available, floor, notices = memory.preflight(
-            index, memory.parse_moe_slots(args.moe_slots), n_ctx=n_ctx, n_batch=args.batch_size,
-            n_ubatch=args.ubatch_size, n_gpu_layers=args.n_gpu_layers,
-            floor=memory.parse_floor(args.mem_floor), force=args.force, what=f"loading {name}")
+        kwargs = llama_kwargs(args, cli_n_ctx(model_shape(index), args.ctx_size))
+        load = plan_from_args(index, args, parse_moe_slots(args.moe_slots or "auto"), kwargs)
     except (OSError, ModelError, SlotsError, ValueError) as e:
         print(f"empanel-gguf trace: {e}", file=sys.stderr)
         return 1
-    except memory.MemoryRefused as e:
+    except MemoryRefused as e:
         print(f"empanel-gguf trace: refused: {e}", file=sys.stderr)
         return EXIT_MEMORY
-    for line in notices:
-        note(line)
 
-    kwargs = dict(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
-                  n_threads=args.threads, n_threads_batch=args.threads_batch,
-                  n_gpu_layers=args.n_gpu_layers, verbose=args.verbose,
-                  seed=llama_cpp.LLAMA_DEFAULT_SEED if args.seed < 0 else args.seed)
+    moe_slots, plan = load.moe_slots, load.plan
+    kwargs["seed"] = llama_cpp.LLAMA_DEFAULT_SEED if args.seed < 0 else args.seed
     if moe_slots is not None:
-        kwargs.update(moe_slots=moe_slots, moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads)
+        kwargs.update(moe_slots=moe_slots, **moe_kwargs(args))
     try:
         llm = Llama(args.model, moe_trace=True, **kwargs)
         llm.prompt_progress = PromptProgress()
     except (ValueError, RuntimeError, OSError) as e:
         print(f"empanel-gguf trace: could not load {args.model}: {e}", file=sys.stderr)
         return 1
-
     sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     rec = Recorder(llm, moe_slots=moe_slots, moe_policy=args.moe_policy if moe_slots is not None else None)
     t0 = time.perf_counter()
@@ -170,7 +147,7 @@ def main(argv=None):
 
 
 def format_summary(trace, path, wall, stats):
-    from ..memory import fmt_bytes
+    from ..format import format_bytes
 
     meta = trace.meta
     rec = meta["recorded_with"]
@@ -189,5 +166,5 @@ def format_summary(trace, path, wall, stats):
         lines.append("slots     none: every expert resident")
     lines.append("scores    router scores not recorded (the remap hook sees expert ids only)")
     size = os.path.getsize(path) if os.path.exists(path) else 0
-    lines.append(f"written   {path} ({fmt_bytes(size)})")
+    lines.append(f"written   {path} ({format_bytes(size)})")
     return lines

@@ -1,0 +1,165 @@
+"""Command-line pieces every subcommand shares: llama.cpp's option names (each with its
+LLAMA_ARG_* environment variable), the built-in model, notes on stderr, exit codes, and the
+load plan from parsed options (plan.plan_load).
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..sizing import DEFAULT_POLICY, POLICIES
+
+EXIT_MEMORY = 3  # refused or stopped by the memory guard
+
+# the built-in model: a small qwen3moe trained on Shakespeare (scripts/train_moe.py), shipped in
+# the package (models/PROVENANCE.md); where it is missing (a checkout without it), a tiny
+# random-weight fixture written into the cache instead (see fixtures.py)
+BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "shakespeare-moe.gguf"
+DEFAULT_FIXTURE = "qwen3moe-q8_0"
+DEFAULT_MODEL_SLOTS = "50%"  # the built-in model streams its experts, to show what empanel does
+DEFAULT_PROMPT = "Once upon a time"
+
+
+def default_model_path():
+    if BUILTIN_MODEL.is_file():
+        return BUILTIN_MODEL
+    from .. import fixtures
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return fixtures.write_fixture(DEFAULT_FIXTURE, Path(base) / "empanel-gguf" / "models")
+
+
+# ---------------------------------------------------------------------------------------------
+# options: llama.cpp's names, each with an LLAMA_ARG_* environment variable
+
+
+def parse_bool(text):
+    value = str(text).strip().lower()
+    if value in ("1", "on", "true", "yes", "y", "enabled"):
+        return True
+    if value in ("0", "off", "false", "no", "n", "disabled", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use on/off)")
+
+
+def auto_bool(text):
+    """'auto' -> None, else on/off as parse_bool."""
+    return None if str(text).strip().lower() == "auto" else parse_bool(text)
+
+
+def gpu_layers(text):
+    value = str(text).strip().lower()
+    if value in ("all", "auto"):
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a layer count: {text!r} (a number, or all)") from None
+
+
+def add_sampling_args(parser, temp):
+    """--temp, --top-k, --top-p, --min-p, llama.cpp's defaults except the temperature."""
+    env_arg(parser, "--temp", env="LLAMA_ARG_TEMP", type=float, default=temp,
+            help="temperature, 0 = greedy")
+    env_arg(parser, "--top-k", env="LLAMA_ARG_TOP_K", type=int, default=40, help="top-k sampling")
+    env_arg(parser, "--top-p", env="LLAMA_ARG_TOP_P", type=float, default=0.95, help="top-p sampling")
+    env_arg(parser, "--min-p", env="LLAMA_ARG_MIN_P", type=float, default=0.05, help="min-p sampling")
+
+
+def env_arg(parser, *flags, env, default=None, help="", show_default=None, **kwargs):
+    """add_argument whose default comes from `env` when set; help ends in (default: .., env: ..)."""
+    raw = os.environ.get(env)
+    if kwargs.get("action") == "store_true":
+        if raw not in (None, ""):
+            try:
+                default = parse_bool(raw)
+            except argparse.ArgumentTypeError:
+                parser.error(f"{env}={raw!r}: use 1/0, on/off, true/false")
+    elif raw not in (None, ""):
+        default = raw  # a string default goes through `type` like a command-line value
+    shown = show_default if show_default is not None else default
+    if raw not in (None, ""):
+        shown = raw
+    shown = str(shown).replace("%", "%%")  # argparse %-formats help texts
+    parser.add_argument(*flags, default=default, help=f"{help} (default: {shown}, env: {env})", **kwargs)
+
+
+def add_memory_args(parser):
+    env_arg(parser, "--mem-floor", env="LLAMA_ARG_MEM_FLOOR", metavar="SIZE|P%",
+            show_default="max(1 GiB, 5% of memory)",
+            help="memory to keep free: refuse a load whose estimate leaves less, stop a run when "
+                 "less is left; 0 turns the guard off")
+    env_arg(parser, "--force", env="LLAMA_ARG_FORCE", action="store_true", default=False,
+            help="load even when the memory guard estimates that it does not fit")
+
+
+def add_load_args(parser):
+    """-c, -t, -tb, -ngl, -b, -ub, -fa: how the model is loaded and run."""
+    env_arg(parser, "-c", "--ctx-size", env="LLAMA_ARG_CTX_SIZE", type=int, default=None,
+            show_default="4096, at most the model's; 0 = the model's", help="context size in tokens")
+    env_arg(parser, "-t", "--threads", env="LLAMA_ARG_THREADS", type=int, default=None,
+            show_default=f"{max(os.cpu_count() // 2, 1)}, half the CPUs", help="threads for generation")
+    env_arg(parser, "-tb", "--threads-batch", env="LLAMA_ARG_THREADS_BATCH", type=int, default=None,
+            show_default=f"{os.cpu_count()}, all CPUs", help="threads for the prompt")
+    env_arg(parser, "-ngl", "--n-gpu-layers", "--gpu-layers", env="LLAMA_ARG_N_GPU_LAYERS",
+            type=gpu_layers, default=0, metavar="N|all", help="layers to offload to the GPU")
+    env_arg(parser, "-b", "--batch-size", env="LLAMA_ARG_BATCH", type=int, default=512,
+            help="logical batch size")
+    env_arg(parser, "-ub", "--ubatch-size", env="LLAMA_ARG_UBATCH", type=int, default=512,
+            help="physical batch size (a micro-batch whose experts exceed a pool runs in waves)")
+    env_arg(parser, "-fa", "--flash-attn", env="LLAMA_ARG_FLASH_ATTN", type=parse_bool, default=False,
+            metavar="on|off", help="flash attention")
+
+
+def add_moe_args(parser, moe_slots_default="auto"):
+    """-ms and the --moe-* options of Llama."""
+    env_arg(parser, "-ms", "--moe-slots", env="LLAMA_ARG_MOE_SLOTS", metavar="N|P%|SIZE|auto|none",
+            default=None, show_default=moe_slots_default,
+            help="expert slots per MoE layer: a count, a share of the experts, a budget for all "
+                 "pools (6GiB), auto (slot pools only if the experts do not fit in memory), or "
+                 "none (every expert resident)")
+    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default=DEFAULT_POLICY,
+            choices=tuple(POLICIES),
+            help="which expert a full pool evicts: lfu-decay (least used, decaying counts) and lru "
+                 "per layer, g-lru with one budget for all layers")
+    env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
+            help="expert reader threads")
+    env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,
+            help="KiB per expert read request")
+    env_arg(parser, "--moe-direct-io", env="LLAMA_ARG_MOE_DIRECT_IO", type=parse_bool, default=True,
+            metavar="on|off", help="read experts with O_DIRECT")
+    env_arg(parser, "--moe-preload", env="LLAMA_ARG_MOE_PRELOAD", type=auto_bool, default=None,
+            metavar="auto|on|off", show_default="auto",
+            help="read experts into the empty slots at load; auto: only when the pools hold every "
+                 "expert")
+
+
+def llama_kwargs(args, n_ctx):
+    """The Llama arguments of the options add_load_args added."""
+    return dict(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_threads=args.threads,
+                n_threads_batch=args.threads_batch, n_gpu_layers=args.n_gpu_layers,
+                flash_attn=args.flash_attn, verbose=args.verbose)
+
+
+def moe_kwargs(args):
+    """The Llama moe_* arguments of the options add_moe_args added (moe_slots aside)."""
+    return dict(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
+                moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
+                moe_preload=args.moe_preload)
+
+
+def plan_from_args(index, args, moe_slots, kwargs):
+    """plan.plan_load with the options' policy, floor and --force; logs its report as notes."""
+    from ..host_memory import parse_floor
+    from ..plan import plan_load
+
+    load = plan_load(index, moe_slots, kwargs, policy=args.moe_policy, floor=parse_floor(args.mem_floor),
+                     force=args.force, what=f"loading {Path(index.path).name}")
+    for line in load.report(index):
+        note(line)
+    return load
+
+
+def note(text):
+    print(f"empanel: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,187 @@
+"""What a load will keep resident, estimated from the GGUF header before loading (bytes):
+
+    weights   every tensor that is not a routed expert (ModelIndex.other_bytes_total)
+    experts   the slot pools (SlotPlan.pool_bytes), or every routed expert without slot pools
+    kv        the KV cache: n_ctx * n_layer * n_head_kv * (head_k + head_v) * bytes per element
+              (F16 unless type_k/type_v say otherwise); MLA models (deepseek2) store
+              kv_lora_rank + rope dims per token instead. Sliding-window and recurrent layers are
+              counted as full attention: an upper bound.
+    compute   a rough bound: llama.cpp's compute buffer for one micro-batch (logits, attention
+              scores without flash attention, FFN activations, all F32) + llama-cpp-python's
+              logits array (n_ctx rows with logits_all, else n_batch) + 64 MiB of runtime
+    host      the part of it in host memory: layers offloaded with n_gpu_layers on a build that
+              can offload are taken off in proportion (their weights, pools and KV cache)
+
+tests/test_slots_guard.py holds the estimate to a measured peak RSS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .format import MiB, format_bytes
+
+DEFAULT_N_CTX = 4096  # the CLI's context size when none is given (capped at the model's)
+RUNTIME_BYTES = 64 * MiB  # llama.cpp + Python + numpy + threads, roughly
+
+# bytes per element of the KV cache types llama.cpp accepts for type_k/type_v (ggml_type ids)
+_KV_TYPE_BYTES = {0: 4.0, 1: 2.0, 30: 2.0, 8: 34 / 32, 2: 18 / 32, 3: 20 / 32, 6: 22 / 32, 7: 24 / 32,
+                  20: 18 / 32}  # F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
+
+
+
+
+@dataclass
+class Shape:
+    """The model dimensions the estimate needs, from the GGUF metadata."""
+
+    n_layer: int
+    n_ctx_train: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_k: int  # per head
+    head_v: int
+    n_vocab: int
+    n_ff: int  # the widest FFN hidden size (dense or one expert x top-k)
+    mla: bool = False
+
+
+def model_shape(index) -> Shape:
+    """Read the dimensions from the GGUF header of `index.path` (headers only, no tensor data)."""
+    from .index import _read_header
+
+    meta = _read_header(Path(index.path)).metadata
+    arch = index.architecture
+
+    def get(key, default=0):
+        value = meta.get(f"{arch}.{key}", default)
+        # per-layer arrays are kept only as their length by the header reader: use the default
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+    n_embd = int(get("embedding_length", 0))
+    n_head = int(get("attention.head_count", 1)) or 1
+    n_head_kv = int(get("attention.head_count_kv", n_head)) or n_head
+    head_k = int(get("attention.key_length", n_embd // n_head))
+    head_v = int(get("attention.value_length", n_embd // n_head))
+    kv_lora_rank = int(get("attention.kv_lora_rank", 0))
+    mla = kv_lora_rank > 0
+    if mla:  # one latent "head" per token: the compressed KV plus the rotary part of the keys
+        n_head_kv, head_k, head_v = 1, kv_lora_rank + int(get("rope.dimension_count", 0)), kv_lora_rank
+    n_vocab = meta.get("tokenizer.ggml.tokens") if isinstance(meta.get("tokenizer.ggml.tokens"), int) else 0
+    n_vocab = n_vocab or int(get("vocab_size", 32000))
+    n_ff = max(int(get("feed_forward_length", 0)),
+               int(get("expert_feed_forward_length", 0)) * max(index.n_expert_used, 1), n_embd)
+    return Shape(n_layer=index.n_layer, n_ctx_train=int(get("context_length", 0)), n_embd=n_embd,
+                 n_head=n_head, n_head_kv=n_head_kv, head_k=head_k, head_v=head_v, n_vocab=n_vocab,
+                 n_ff=n_ff, mla=mla)
+
+
+@dataclass
+class Estimate:
+    weights: int
+    experts: int
+    kv: int
+    compute: int
+    host_share: float  # 1.0: everything in host memory
+    n_ctx: int
+    pooled: bool  # experts are slot pools (False: every expert resident)
+    kv_per_token: int = 0
+    notes: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)  # estimate()'s keyword arguments, to re-estimate
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.experts + self.kv + self.compute
+
+    @property
+    def host(self) -> int:
+        """Bytes expected in host memory."""
+        offloadable = self.weights + self.experts + self.kv
+        return int(offloadable * self.host_share) + self.compute
+
+    def describe(self) -> str:
+        experts = "expert pools" if self.pooled else "all experts"
+        text = (f"{format_bytes(self.weights)} weights + {format_bytes(self.experts)} {experts} + "
+                f"{format_bytes(self.kv)} KV cache (n_ctx {self.n_ctx}) + {format_bytes(self.compute)} "
+                f"compute = {format_bytes(self.total)}")
+        if self.host_share < 1.0:
+            text += f", {format_bytes(self.host)} of it in host memory"
+        return text
+
+
+def kv_bytes_per_element(type_id) -> float:
+    if type_id is None:
+        return 2.0
+    return _KV_TYPE_BYTES.get(int(type_id), 2.0)
+
+
+def cli_n_ctx(shape: Shape, ctx_size) -> int:
+    """The commands' -c: unset means DEFAULT_N_CTX (at most the model's training context), 0 the
+    model's training context."""
+    if ctx_size is None:
+        return min(DEFAULT_N_CTX, shape.n_ctx_train or DEFAULT_N_CTX)
+    return resolve_n_ctx(shape, ctx_size)
+
+
+def resolve_n_ctx(shape: Shape, n_ctx) -> int:
+    """n_ctx as llama-cpp-python will use it: 0 means the model's training context."""
+    if not n_ctx:
+        return shape.n_ctx_train or DEFAULT_N_CTX
+    return int(n_ctx)
+
+
+def estimate(index, plan=None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_gpu_layers=0,
+             logits_all=False, flash_attn=False, type_k=None, type_v=None, shape=None,
+             gpu_offload=None) -> Estimate:
+    """What loading `index` with slot plan `plan` (None: every expert resident) will hold."""
+    shape = shape or model_shape(index)
+    params = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_gpu_layers=n_gpu_layers,
+                  logits_all=logits_all, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+                  shape=shape, gpu_offload=gpu_offload)
+    n_ctx = resolve_n_ctx(shape, n_ctx)
+    n_batch = max(1, min(int(n_batch or 512), n_ctx))
+    n_ubatch = max(1, min(int(n_ubatch or 512), n_batch))
+    notes = []
+
+    experts = plan.pool_bytes if plan is not None else index.expert_bytes_total
+    per_token = shape.n_layer * shape.n_head_kv * (shape.head_k * kv_bytes_per_element(type_k)
+                                                    + shape.head_v * kv_bytes_per_element(type_v))
+    kv = int(per_token * n_ctx)
+
+    attn = 0 if flash_attn else shape.n_head * n_ctx  # KQ scores of one layer, per token
+    compute = 4 * n_ubatch * (shape.n_vocab + attn + 4 * shape.n_embd + 3 * shape.n_ff)
+    compute += 4 * shape.n_vocab * (n_ctx if logits_all else n_batch)  # llama-cpp-python's scores
+    compute += RUNTIME_BYTES
+
+    host_share = 1.0
+    ngl = _gpu_layers(n_gpu_layers, shape.n_layer)
+    if ngl:
+        if gpu_offload is None:
+            gpu_offload = params["gpu_offload"] = _supports_gpu_offload()
+        if gpu_offload:
+            host_share = 1.0 - ngl / (shape.n_layer + 1)  # llama.cpp counts the output layer too
+        else:
+            notes.append(f"n_gpu_layers={n_gpu_layers} has no effect: this build cannot offload")
+    return Estimate(weights=index.other_bytes_total, experts=experts, kv=kv, compute=int(compute),
+                    host_share=host_share, n_ctx=n_ctx, pooled=plan is not None,
+                    kv_per_token=int(math.ceil(per_token)), notes=notes, params=params)
+
+
+def _gpu_layers(n_gpu_layers, n_layer):
+    if n_gpu_layers is None:
+        return 0
+    n = int(n_gpu_layers)
+    if n < 0:
+        return n_layer + 1
+    return min(n, n_layer + 1)
+
+
+def _supports_gpu_offload():
+    try:
+        from . import llama_cpp
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except Exception:  # the estimate must not fail on a missing library
+        return False

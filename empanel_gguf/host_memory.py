@@ -1,0 +1,201 @@
+"""What the machine has: total and available memory (meminfo, memory cgroups v1/v2, macOS
+vm_stat), the floor kept free, and this process's peak resident set.
+
+Available memory is the smaller of /proc/meminfo's MemAvailable and, inside a memory cgroup
+(v1 or v2), its limit minus its usage not counting inactive page cache; on macOS it comes from
+vm_stat. EMPANEL_MEM_AVAILABLE (a size, e.g. "8GiB") replaces the measurement: for tests, or
+where the measurement is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+from .format import GiB, KiB
+from .sizing import parse_size
+
+def read_int(path):
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def stat_value(path, key):
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return None
+
+
+def meminfo():
+    """{key: bytes} from /proc/meminfo, {} where there is none."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (KiB if parts[1:2] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_dirs():
+    """(version, directory) of this process's memory cgroups, innermost first, that exist."""
+    found = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return found
+    root = Path("/sys/fs/cgroup")
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "" and (root / "cgroup.controllers").exists():
+            version, base = 2, root
+        elif "memory" in controllers.split(","):
+            version, base = 1, root / "memory"
+        else:
+            continue
+        d = base / rel.lstrip("/")
+        while True:  # the cgroup and its ancestors: the tightest limit counts
+            if d.is_dir():
+                found.append((version, d))
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+        if (version, base) not in found and base.is_dir():
+            found.append((version, base))  # a namespaced mount shows the cgroup as the root
+    return found
+
+
+_NO_LIMIT = 1 << 60  # cgroup v1 writes 9223372036854771712 for "no limit"
+
+
+def _cgroup_limits():
+    """[(limit, usage excluding inactive page cache)] of every limited memory cgroup around us."""
+    out = []
+    for version, d in _cgroup_dirs():
+        if version == 2:
+            limit = read_int(d / "memory.max")  # "max" -> None
+            usage = read_int(d / "memory.current")
+            inactive = stat_value(d / "memory.stat", "inactive_file") or 0
+        else:
+            limit = read_int(d / "memory.limit_in_bytes")
+            usage = read_int(d / "memory.usage_in_bytes")
+            inactive = stat_value(d / "memory.stat", "total_inactive_file") or 0
+        if limit is None or usage is None or limit >= _NO_LIMIT:
+            continue
+        out.append((limit, max(0, usage - inactive)))
+    return out
+
+
+def _vm_stat_available():
+    """macOS: free + inactive + speculative + purgeable pages."""
+    try:
+        text = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"page size of (\d+) bytes", text)
+    page = int(m.group(1)) if m else 4096
+    pages = 0
+    for key in ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable"):
+        m = re.search(rf"{key}:\s+(\d+)", text)
+        pages += int(m.group(1)) if m else 0
+    return pages * page if pages else None
+
+
+def total_memory():
+    """Physical memory, or the memory cgroup's limit if that is lower; None if unknown."""
+    values = []
+    try:
+        values.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    values += [limit for limit, _ in _cgroup_limits()]
+    return min(values) if values else None
+
+
+def available_memory():
+    """Bytes that can still be allocated without swapping or the OOM killer; None if unknown."""
+    override = os.environ.get("EMPANEL_MEM_AVAILABLE")
+    if override:
+        value = parse_size(override)
+        if value is None:
+            raise ValueError(f"EMPANEL_MEM_AVAILABLE={override!r} is not a size (e.g. 8GiB)")
+        return value
+    values = []
+    info = meminfo()
+    if "MemAvailable" in info:
+        values.append(info["MemAvailable"])
+    elif sys.platform == "darwin":
+        v = _vm_stat_available()
+        if v is not None:
+            values.append(v)
+    values += [max(0, limit - usage) for limit, usage in _cgroup_limits()]
+    return min(values) if values else None
+
+
+def default_floor(total=None):
+    """max(1 GiB, 5 % of the memory)."""
+    total = total_memory() if total is None else total
+    return max(GiB, int(0.05 * total)) if total else GiB
+
+
+def parse_floor(text, total=None):
+    """'2GiB', '512MiB', '10%' (of the memory), '0' (no floor), or None/'' for the default."""
+    if text is None or str(text).strip() in ("", "auto", "default"):
+        return default_floor(total)
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            share = -1
+        total = total_memory() if total is None else total
+        if not 0 <= share < 1 or not total:
+            raise ValueError(f"--mem-floor {text}: a share must lie in [0%, 100%) of known memory")
+        return int(share * total)
+    value = parse_size(text)
+    if value is None:
+        raise ValueError(f"--mem-floor {text!r}: not a size (2GiB, 512MiB) or a share (5%)")
+    return value
+
+
+
+
+def peak_rss():
+    """This process's peak resident set in bytes (getrusage: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * KiB
+
+
+def proc_status():
+    """{key: bytes} of /proc/self/status's memory lines (VmHWM, VmRSS, RssAnon, RssFile); {}
+    where there is none."""
+    out = {}
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if key.startswith(("Vm", "Rss")) and parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * (KiB if parts[1:2] == ["kB"] else 1)
+    return out

@@ -1,0 +1,231 @@
+"""The sidecar's pools as Python sees them (cffi over csrc/empanel.h).
+
+    ExpertPools   the slot pools of one loaded model: made before the load, bound to libllama's
+                  pool tensors after it; stats, trace, preload, errors
+    LabPool       a pool without files (empanel_lab_init): the engine's own policy code replayed
+                  over routing calls, for the policy lab (policies.py, replay.py)
+"""
+
+from . import _native
+from ._native import native, policy_id
+from .sizing import DEFAULT_POLICY
+
+
+class MoeReadError(RuntimeError):
+    """Reading experts from the model file failed during a decode; nothing was returned."""
+
+
+class ExpertPools:
+    """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
+
+    def __init__(self, index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True,
+                 trace=False):
+        self.index = index
+        self.plan = plan
+        self.n = native()
+        ffi = self.n.ffi
+        self._keep = []  # cffi buffers that must outlive the C pool
+        self.n_masked = 0  # pools whose waves are masked (a GPU kernel may compute on them): bind()
+
+        paths = [ffi.new("char[]", str(shard.path).encode()) for shard in index.shards]
+        path_array = ffi.new("const char *[]", paths)
+        n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
+        if trace:  # layers without a pool are observed: their routing is traced too
+            n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
+        paged = [t for t in index.expert_tensors() if n_slots[t.layer] > 0]
+        tensors = paged
+        names = [ffi.new("char[]", t.name.encode()) for t in tensors]
+        descs = ffi.new("struct empanel_tensor_desc[]", len(tensors))
+        for i, t in enumerate(tensors):
+            descs[i].layer = t.layer
+            descs[i].file = t.shard
+            descs[i].offset = t.offset
+            descs[i].expert_size = t.stride
+            descs[i].name = names[i]
+        if io_threads < 0 or chunk_kb < 4:
+            raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
+        params = ffi.new("struct empanel_pool_params *")
+        params.n_threads = io_threads
+        params.chunk_bytes = chunk_kb * 1024
+        params.direct_io = 1 if direct_io else -1
+        params.policy = policy_id(policy)
+        params.budget_bytes = plan.budget_bytes if plan is not None else 0
+        self.n_slots = ffi.new("int32_t[]", n_slots)
+        self.paged = paged
+        err = ffi.new("char[]", 512)
+        self.pool = self.n.sidecar.empanel_pool_init(
+            params, path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
+            descs, len(tensors), err, 512)
+        if self.pool == ffi.NULL:
+            raise _native.NativeLibraryError(f"empanel: {ffi.string(err).decode()}")
+        self._keep += [paths, path_array, names, descs]
+        if trace:
+            self.n.sidecar.empanel_trace_enable(self.pool, 1)
+
+    def set_plan(self):
+        """Hand the plan to libllama for the load that follows on this thread."""
+        self.n.llama.llama_empanel_set_plan(self.n_slots, self.index.n_layer,
+                                            self.n.sidecar.empanel_remap, self.pool)
+
+    def clear_plan(self):
+        self.n.llama.llama_empanel_clear_plan()
+
+    def bind(self, model, ctx):
+        """Point the sidecar at the pool tensors of the loaded model; stop the graph on failure."""
+        model_p = self.n.ptr(model)
+        n_pools = self.n.llama.llama_empanel_n_pools(model_p)
+        tensors = self.paged
+        if n_pools != len(tensors):
+            raise _native.NativeLibraryError(
+                f"empanel: llama.cpp made {n_pools} slot pools for the {len(tensors)} routed-expert "
+                f"tensors of {self.index.path}; this architecture's loader is not supported yet")
+        self.n_masked = 0
+        for t in tensors:
+            pool_tensor = self.n.llama.llama_empanel_pool(model_p, t.name.encode())
+            if self.n.sidecar.empanel_pool_bind(self.pool, t.name.encode(), pool_tensor) != 0:
+                raise _native.NativeLibraryError(f"empanel: {self.error()}")
+            self.n_masked += bool(self.n.llama.llama_empanel_pool_masked(pool_tensor))
+        self.n.llama.llama_set_abort_callback(self.n.ptr(ctx), self.n.sidecar.empanel_pool_failed, self.pool)
+
+    def failed(self):
+        return bool(self.n.sidecar.empanel_pool_failed(self.pool))
+
+    def notice(self):
+        return self.n.ffi.string(self.n.sidecar.empanel_pool_notice(self.pool)).decode(errors="replace")
+
+    def error(self):
+        return self.n.ffi.string(self.n.sidecar.empanel_pool_error(self.pool)).decode(errors="replace")
+
+    def clear_error(self):
+        self.n.sidecar.empanel_pool_clear_error(self.pool)
+
+    def stats(self):
+        """Counters per MoE layer and in total (times in seconds)."""
+        ffi = self.n.ffi
+        out = ffi.new("struct empanel_layer_stats *")
+        layers = {}
+        total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
+                               "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
+                               "preloaded", "n_slots", "n_resident"), 0)
+        for il in self.index.moe_layers:
+            if self.n_slots[il] <= 0:
+                continue  # observed only
+            self.n.sidecar.empanel_stats_get(self.pool, il, out)
+            row = {
+                "n_remaps": out.n_remaps, "n_waves": out.n_waves, "n_ids": out.n_ids, "hits": out.hits,
+                "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
+                "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "wait_s": out.wait_ns / 1e9,
+                "write_s": out.write_ns / 1e9,
+                "copy_bytes": out.copy_bytes,
+                "remap_s": out.remap_ns / 1e9, "preloaded": out.preloaded,
+                "n_slots": out.n_slots, "n_resident": out.n_resident,
+            }
+            row["hit_rate"] = _rate(row["hits"], row["misses"])
+            layers[il] = row
+            for key in total:
+                total[key] += row[key]
+        total["hit_rate"] = _rate(total["hits"], total["misses"])
+        total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
+        total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
+        total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0
+        # waves per micro-batch and layer; reads done while the graph computed (overlap)
+        total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
+        total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
+        total["masked_pools"] = self.n_masked
+        return {"layers": layers, "total": total}
+
+    def take_trace(self):
+        """The routing recorded since the last call: int32 [layer, n_tokens, n_used, ids...]
+        per remap call (see empanel_trace_enable)."""
+        import numpy as np
+
+        n = self.n.sidecar.empanel_trace_size(self.pool)
+        out = np.empty(n, dtype=np.int32)
+        got = self.n.sidecar.empanel_trace_take(self.pool, self.n.ffi.cast("int32_t *", out.ctypes.data), n)
+        return out[:got]
+
+    def preload(self):
+        """Fill the empty slots with experts (lowest ids first) as far as slots and budget go;
+        the number of experts read. Raises MoeReadError if a read fails."""
+        n = self.n.sidecar.empanel_pool_preload(self.pool)
+        if n < 0:
+            message = self.error()
+            self.clear_error()
+            raise MoeReadError(f"preloading experts: {message}")
+        return n
+
+    def reset_stats(self):
+        self.n.sidecar.empanel_stats_reset(self.pool)
+
+    def free(self):
+        if self.pool is not None:
+            self.n.sidecar.empanel_pool_free(self.pool)
+            self.pool = None
+
+
+def _rate(hits, misses):
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+def summary_line(stats):
+    t = stats["total"]
+    return (f"empanel: {t['hits']} hits, {t['misses']} misses ({100 * t['hit_rate']:.1f}% hit), "
+            f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s ({t['read_gbps']:.2f} GB/s), "
+            f"{t['remap_s']:.3f} s in remap")
+
+
+class LabPool:
+    """The engine's eviction on a pool that reads nothing: `access(layer, experts)` is one remap
+    call of csrc/remap.c and returns (hits, misses) over the call's distinct experts.
+
+    n_slots: [n_layer] slots per layer (0: not paged); expert_bytes: [n_layer] bytes of one expert
+    (what the g-lru budget counts); budget_bytes: g-lru's budget."""
+
+    def __init__(self, policy, n_slots, n_expert, expert_bytes=None, budget_bytes=0):
+        self.n = native()
+        ffi = self.n.ffi
+        n_layer = len(n_slots)
+        self.n_slots = list(n_slots)
+        self._slots = ffi.new("int32_t[]", self.n_slots)
+        sizes = ffi.new("uint64_t[]", list(expert_bytes) if expert_bytes is not None else [1] * n_layer)
+        err = ffi.new("char[]", 512)
+        pool = self.n.sidecar.empanel_lab_init(policy_id(policy), n_layer, self._slots, n_expert, sizes,
+                                               budget_bytes, err, 512)
+        if pool == ffi.NULL:
+            raise ValueError(f"empanel lab: {ffi.string(err).decode()}")
+        self.pool = ffi.gc(pool, self.n.sidecar.empanel_pool_free)
+        self._ids = ffi.new("int32_t[]", max(1, n_expert))
+        self._out = ffi.new("int32_t[]", max(1, n_expert))
+        self.n_expert = n_expert
+
+    def access(self, layer, experts):
+        """One remap call of `layer` over distinct expert ids (at most n_expert): (hits, misses).
+        Raises ValueError when the call needs more slots than the layer has (the engine would run
+        it in waves) or an id is out of range."""
+        n = len(experts)
+        if n > self.n_expert:
+            raise ValueError(f"empanel lab: {n} expert ids in one call, the model has {self.n_expert} experts")
+        self._ids[0:n] = experts
+        misses = self.n.sidecar.empanel_lab_access(self.pool, layer, self._ids, n, self._out)
+        if misses < 0:
+            message = self.n.ffi.string(self.n.sidecar.empanel_pool_error(self.pool)).decode()
+            self.n.sidecar.empanel_pool_clear_error(self.pool)
+            raise ValueError(f"empanel lab: {message}")
+        return n - misses, misses
+
+    def slot_table(self, layer):
+        """[n_slots] the expert each slot of the layer holds, -1 if empty."""
+        out = self.n.ffi.new("int32_t[]", max(1, self.n_slots[layer]))
+        n = self.n.sidecar.empanel_pool_slots(self.pool, layer, out, self.n_slots[layer])
+        return list(out[0:n])
+
+    def resident_bytes(self):
+        return self.n.sidecar.empanel_pool_resident_bytes(self.pool)
+
+    def stats(self, layer):
+        out = self.n.ffi.new("struct empanel_layer_stats *")
+        self.n.sidecar.empanel_stats_get(self.pool, layer, out)
+        return {"n_remaps": out.n_remaps, "hits": out.hits, "misses": out.misses, "n_resident": out.n_resident}
+
+    def reset_stats(self):
+        self.n.sidecar.empanel_stats_reset(self.pool)
