@@ -143,6 +143,7 @@ struct empanel_pool {
     uint8_t                 * staging;       // pinned host memory of a device pool's device, if any
     uint64_t                  staging_size;
     void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
+    void                    * staging_buffer; // the backend buffer of pinned staging
 
     // the batch of reads in flight (posted, not finished): at most one
     int                       inflight;
@@ -191,6 +192,19 @@ void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e);
 // g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
 // bytes fit in the budget
 void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
+
+// backend.c: pool tensors through ggml's public backend API
+// the memory of a pool in host memory of any layout (plain or CPU_REPACK), else NULL; slot s takes
+// bytes [s*nb[2], (s+1)*nb[2])
+void *  empanel_pool_host_data(void * pool_tensor);
+// host memory to stage reads bound for a device pool: pinned memory of its device (its host buffer
+// type), or plain memory where it has none; *buffer gets the backend buffer to release. NULL if
+// out of memory
+void *  empanel_staging_alloc(void * pool_tensor, size_t size, void ** buffer);
+void    empanel_staging_release(void * buffer);
+// one expert's bytes as stored in the GGUF (nb[2] bytes) into slot `slot`: copied, repacked
+// (CPU_REPACK) or sent to the device; 0 on success
+int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);
 
 // reader.c
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);

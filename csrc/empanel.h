@@ -156,6 +156,15 @@ EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
 
+// sizeof() of a public struct of llama.h that the llama-cpp-python ctypes bindings mirror, by name
+// ("llama_model_params", "llama_context_params", "llama_batch", ...), as this build compiled it;
+// 0 if unknown. empanel-gguf compares these with ctypes.sizeof() at import.
+EMPANEL_API size_t empanel_struct_size(const char * name);
+
+// where slot `slot` of a pool tensor (a ggml_tensor *) can be written directly (plain host
+// memory), else NULL
+EMPANEL_API void * empanel_slot_data(void * pool_tensor, int32_t slot);
+
 // the policy lab: a pool without files, tensors or reader threads, whose remap runs the very
 // policy code of the engine's pools but reads nothing. expert_bytes [n_layer]: bytes of one
 // expert of each layer (what g-lru's budget counts). Free it with empanel_pool_free.

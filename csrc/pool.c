@@ -455,9 +455,9 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
                 return -1;
             }
             t->pool   = pool_tensor;
-            t->direct = llama_empanel_slot_data(pool_tensor, 0) != NULL;
+            t->direct = empanel_slot_data(pool_tensor, 0) != NULL;
             t->masked = llama_empanel_pool_masked(pool_tensor);
-            t->host   = llama_empanel_pool_host_data(pool_tensor);
+            t->host   = empanel_pool_host_data(pool_tensor);
             if (t->host == NULL && pool->staging_owner == NULL) {
                 empanel_staging_free(pool);         // reads bound for device memory: pinned staging
                 pool->staging_owner = pool_tensor;

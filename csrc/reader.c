@@ -160,7 +160,7 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
 
 // staging -> slot (repack, or a copy to the device)
 static int convert_job(struct empanel_pool * pool, const struct empanel_read_job * job) {
-    if (llama_empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
+    if (empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
         empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
         return -1;
     }
@@ -360,14 +360,15 @@ static void reader_finish(struct empanel_pool * pool) {
 
 void empanel_staging_free(struct empanel_pool * pool) {
     if (pool->staging != NULL) {
-        if (pool->staging_owner != NULL) {
-            llama_empanel_staging_free(pool->staging);
+        if (pool->staging_buffer != NULL) {
+            empanel_staging_release(pool->staging_buffer);
         } else {
             free(pool->staging);
         }
     }
-    pool->staging      = NULL;
-    pool->staging_size = 0;
+    pool->staging        = NULL;
+    pool->staging_buffer = NULL;
+    pool->staging_size   = 0;
 }
 
 static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks, uint64_t staging) {
@@ -385,7 +386,8 @@ static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks,
     }
     if (staging > pool->staging_size) {
         empanel_staging_free(pool);
-        pool->staging      = pool->staging_owner ? llama_empanel_staging_alloc(pool->staging_owner, staging) : malloc(staging);
+        pool->staging      = pool->staging_owner ? empanel_staging_alloc(pool->staging_owner, staging, &pool->staging_buffer)
+                                                 : malloc(staging);
         pool->staging_size = pool->staging ? staging : 0;
         if (pool->staging == NULL) { return -1; }
     }
@@ -471,7 +473,7 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
             job->tensor  = t;
             job->expert  = experts[m];
             job->slot    = slots[m];
-            job->dst     = llama_empanel_slot_data(t->pool, slots[m]);
+            job->dst     = empanel_slot_data(t->pool, slots[m]);
             job->convert = 0;
             if (!t->direct || job->dst == NULL) {
                 job->dst     = pool->staging + staged;

@@ -80,8 +80,13 @@ MIRRORED_STRUCTS = (
 
 
 def _check_struct_sizes(llama_cpp_module):
-    """Compare the C sizeof() of each mirrored struct with its ctypes mirror."""
-    size_fn = llama_cpp_module.llama_cpp._lib.llama_empanel_struct_size
+    """Compare the C sizeof() of each mirrored struct, as our build compiled llama.h
+    (empanel_struct_size in libempanel), with its ctypes mirror."""
+    try:
+        size_fn = ctypes.CDLL(str(lib_dir() / _shared_lib_name("empanel"))).empanel_struct_size
+    except (OSError, AttributeError) as e:
+        raise NativeLibraryError(f"could not load the sidecar library in {lib_dir()}: {e}\n"
+                                 "HINT: rebuild empanel-gguf (pip install .)") from e
     size_fn.argtypes = [ctypes.c_char_p]
     size_fn.restype = ctypes.c_size_t
     for name in MIRRORED_STRUCTS:
@@ -144,7 +149,6 @@ void    llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_e
 void    llama_empanel_clear_plan(void);
 int32_t llama_empanel_n_pools(const void * model);
 void *  llama_empanel_pool(const void * model, const char * name);
-void *  llama_empanel_slot_data(void * pool, int32_t slot);
 _Bool   llama_empanel_pool_masked(const void * pool);
 void    llama_set_abort_callback(void * ctx, _Bool (*abort_callback)(void *), void * data);
 """

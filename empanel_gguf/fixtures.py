@@ -26,6 +26,9 @@ from pathlib import Path
 import numpy as np
 import gguf
 
+from . import gguf_writer
+from .gguf_writer import BOS_TOKEN, CHAT_TEMPLATE, CONTROL_TOKENS, EOS_TOKEN  # noqa: F401  (the fixtures' tokens)
+
 # Bump when the writer changes in a way that changes file contents: cached files are rewritten.
 FORMAT_VERSION = 1
 
@@ -34,14 +37,6 @@ FINGERPRINT_KEY = "empanel.fixture.fingerprint"
 
 CONTEXT_LENGTH = 512  # tokens (`<arch>.context_length`)
 RMS_EPS = 1e-6
-
-# ChatML-style template, so `Llama.create_chat_completion` works with the metadata alone.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 # A few byte-level BPE merges over GPT-2's printable byte alphabet ("Ġ" is the space byte).
 # Each pair's parts are byte tokens or results of earlier merges.
@@ -53,9 +48,6 @@ MERGES = (
     ("in", "g"), ("Ġa", "n"), ("Ġan", "d"), ("Ġo", "f"), ("Ġ", "i"), ("Ġ", "l"), ("a", "r"),
     ("l", "e"), ("Ġ", "n"), ("Ġ", "e"), ("Ġ", "H"), ("Ġi", "s"), ("Ġ", "y"),
 )
-CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-BOS_TOKEN = "<|endoftext|>"
-EOS_TOKEN = "<|im_end|>"
 
 # llama_ftype values for `requantize_to`; quantized with `pure`, so every matrix gets this type.
 _LLAMA_FTYPES = {
@@ -466,29 +458,14 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
 
 
 def add_tokenizer(w: gguf.GGUFWriter) -> None:
-    tokens, types, merges = vocabulary()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index(BOS_TOKEN))
-    w.add_eos_token_id(tokens.index(EOS_TOKEN))
-    w.add_add_bos_token(True)
-    w.add_chat_template(CHAT_TEMPLATE)
+    """The fixtures' vocabulary (also the benchmark model's)."""
+    gguf_writer.add_tokenizer(w, *vocabulary())
 
 
 def _add_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
-    w.add_context_length(CONTEXT_LENGTH)
-    w.add_embedding_length(spec.n_embd)
-    w.add_block_count(spec.n_layer)
-    w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
-    w.add_layer_norm_rms_eps(RMS_EPS)
-    w.add_rope_freq_base(10000.0)
-    if spec.n_expert > 0:  # a dense model has no expert keys at all
-        w.add_expert_count(spec.n_expert)
-        w.add_expert_used_count(spec.n_expert_used)
+    gguf_writer.add_model_hparams(w, n_ctx=CONTEXT_LENGTH, n_embd=spec.n_embd, n_layer=spec.n_layer,
+                                  n_head=spec.n_head, n_head_kv=spec.n_head_kv, rms_eps=RMS_EPS,
+                                  rope_base=10000.0, n_expert=spec.n_expert, n_expert_used=spec.n_expert_used)
 
     if spec.n_expert == 0:
         w.add_feed_forward_length(spec.n_ff)

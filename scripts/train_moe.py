@@ -250,33 +250,21 @@ class PyBPE:
 
 def add_tokenizer(w, tokens, merges):
     import gguf
-    from empanel_gguf import fixtures
+    from empanel_gguf import gguf_writer
 
-    vocab = list(tokens) + list(fixtures.CONTROL_TOKENS)
+    vocab = list(tokens) + list(gguf_writer.CONTROL_TOKENS)
     types = [int(gguf.TokenType.NORMAL)] * len(tokens) + [int(gguf.TokenType.CONTROL)] * len(
-        fixtures.CONTROL_TOKENS)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(vocab)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(vocab.index(fixtures.BOS_TOKEN))
-    w.add_eos_token_id(vocab.index(fixtures.EOS_TOKEN))
-    w.add_add_bos_token(True)
-    w.add_chat_template(fixtures.CHAT_TEMPLATE)
+        gguf_writer.CONTROL_TOKENS)
+    gguf_writer.add_tokenizer(w, vocab, types, merges, pre="gpt-2")
     return vocab
 
 
 def add_hparams(w, cfg: Config):
-    w.add_context_length(cfg.n_ctx)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
-    w.add_rope_freq_base(cfg.rope_base)
-    w.add_expert_count(cfg.n_expert)
-    w.add_expert_used_count(cfg.n_expert_used)
+    from empanel_gguf import gguf_writer
+
+    gguf_writer.add_model_hparams(w, n_ctx=cfg.n_ctx, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                                  n_head_kv=cfg.n_head_kv, rms_eps=cfg.rms_eps, rope_base=cfg.rope_base,
+                                  n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used)
     w.add_feed_forward_length(cfg.n_ff_exp * cfg.n_expert_used)
     w.add_expert_feed_forward_length(cfg.n_ff_exp)
     w.add_key_length(cfg.head_dim)
@@ -814,7 +802,7 @@ def record_trace(out: Path, cfg: Config, path: Path, threads: int):
     until the context is full; recorded by llama.cpp (moe_trace, every expert resident)."""
     import empanel_gguf  # noqa: F401
     from empanel_gguf import Llama
-    from empanel_gguf.trace import Recorder
+    from empanel_gguf.recorder import Recorder
 
     llm = Llama(str(out), n_ctx=cfg.n_ctx, moe_trace=True, verbose=False, n_threads=threads, seed=0)
     rec = Recorder(llm)
@@ -992,7 +980,7 @@ def step_provenance(work: Path, cfg: Config, out: Path):
             f"{l['prev_token_overlap']:.1%} |")
     add("")
     rp = rep["replay"]
-    add(f"**Cache replay** (`empanel_gguf.replay`): a trace (`empanel_gguf.trace.Recorder`, every "
+    add(f"**Cache replay** (`empanel_gguf.replay`): a trace (`empanel_gguf.recorder.Recorder`, every "
         f"expert resident) of {len(TRACE_PROMPTS)} generations (BOS + a short prompt, then sampled "
         f"at temperature 0.8 until the {cfg.n_ctx}-token context is full; {rep['trace']['n_decode']} "
         "decode tokens counted, prompt tokens warm the cache), replayed per policy at slots per "

@@ -199,7 +199,7 @@ def test_struct_sizes_match_the_ctypes_mirrors():
     import empanel_gguf
     from empanel_gguf import _native
 
-    size_fn = empanel_gguf.llama_cpp.llama_cpp._lib.llama_empanel_struct_size
+    size_fn = _native.native().sidecar.empanel_struct_size  # sizeof() as our build compiled llama.h
     for name in _native.MIRRORED_STRUCTS:
         assert size_fn(name.encode()) == ctypes.sizeof(getattr(empanel_gguf.llama_cpp.llama_cpp, name))
     assert size_fn(b"no_such_struct") == 0

@@ -55,7 +55,7 @@ def test_routing_is_learned(index):
     The model is small and was trained with a load-balancing loss, so the margins are modest
     (models/PROVENANCE.md: 4.66-4.86 bits of 5 here, random 4.95-4.97); routing is deterministic,
     so they do not flake."""
-    from empanel_gguf.trace import Recorder
+    from empanel_gguf.recorder import Recorder
 
     llm = Llama(str(BUILTIN_MODEL), n_ctx=256, moe_trace=True, logits_all=True, verbose=False,
                 seed=0)  # logits_all: the last layer runs every token too

@@ -52,7 +52,7 @@ def slot_contents(llm, index, layer, slot):
     out = {}
     for kind, t in index.layer(layer).tensors.items():
         pool_tensor = n.llama.llama_empanel_pool(model, t.name.encode())
-        data = n.llama.llama_empanel_slot_data(pool_tensor, slot)
+        data = n.sidecar.empanel_slot_data(pool_tensor, slot)
         assert data != n.ffi.NULL, "F32 pools are plain host memory"
         out[kind] = bytes(n.ffi.buffer(data, t.stride))
     return out

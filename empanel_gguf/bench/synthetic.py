@@ -140,7 +140,7 @@ def write_model(shape: ModelShape, path, log=print) -> Path:
     import gguf
     import numpy as np
 
-    from empanel_gguf import fixtures
+    from empanel_gguf import fixtures, gguf_writer
 
     shape.check()
     path = Path(path)
@@ -166,19 +166,13 @@ def write_model(shape: ModelShape, path, log=print) -> Path:
         w.add_string("empanel.bench.shape", json.dumps(asdict(shape)))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
-        w.add_context_length(s.context_length)
-        w.add_embedding_length(s.n_embd)
-        w.add_block_count(s.n_layer)
+        gguf_writer.add_model_hparams(w, n_ctx=s.context_length, n_embd=s.n_embd, n_layer=s.n_layer,
+                                      n_head=s.n_head, n_head_kv=s.n_head_kv, rms_eps=fixtures.RMS_EPS,
+                                      rope_base=1e6, n_expert=s.n_expert, n_expert_used=s.n_expert_used)
         w.add_feed_forward_length(s.n_ff_exp * s.n_expert_used)  # unused by qwen3moe layers
         w.add_expert_feed_forward_length(s.n_ff_exp)
-        w.add_head_count(s.n_head)
-        w.add_head_count_kv(s.n_head_kv)
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
-        w.add_layer_norm_rms_eps(fixtures.RMS_EPS)
-        w.add_rope_freq_base(1e6)
-        w.add_expert_count(s.n_expert)
-        w.add_expert_used_count(s.n_expert_used)
         fixtures.add_tokenizer(w)  # the fixtures' byte-level BPE vocabulary (one definition)
 
         for name, ne, kind, _ in plan:

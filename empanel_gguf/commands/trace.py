@@ -75,7 +75,9 @@ def main(argv=None):
     from ..index import ModelError, load_index
     from ..plan import parse_moe_slots
     from ..sizing import SlotsError
-    from ..trace import Recorder, TraceError, measure_overhead, record_chat
+    from ..bench.trace_overhead import measure_overhead
+    from ..recorder import Recorder, record_chat
+    from ..trace import TraceError
 
     name = Path(args.model).name
     try:

@@ -1,0 +1,118 @@
+// What the sidecar needs of ggml's public backend API: where a pool's slots lie (plain host
+// memory, host memory of another layout, device memory), staging memory for device pools, and
+// writing one expert into a slot. None of it needs llama.cpp's internals, so none of it is in the
+// patch: the pool tensors are ordinary ggml tensors in ordinary backend buffers.
+
+#include "empanel.h"
+#include "empanel-impl.h"
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "llama.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+size_t empanel_struct_size(const char * name) {
+    struct entry { const char * name; size_t size; };
+    static const struct entry sizes[] = {
+        { "llama_model_params",          sizeof(struct llama_model_params)          },
+        { "llama_context_params",        sizeof(struct llama_context_params)        },
+        { "llama_batch",                 sizeof(struct llama_batch)                 },
+        { "llama_model_quantize_params", sizeof(struct llama_model_quantize_params) },
+        { "llama_sampler_chain_params",  sizeof(struct llama_sampler_chain_params)  },
+        { "llama_token_data",            sizeof(struct llama_token_data)            },
+        { "llama_chat_message",          sizeof(struct llama_chat_message)          },
+    };
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        if (strcmp(sizes[i].name, name) == 0) {
+            return sizes[i].size;
+        }
+    }
+    return 0;
+}
+
+// CPU extra buffer types (CPU_REPACK) are host memory that does not say so (is_host is for the
+// plain layout): they belong to the CPU device
+static int in_host_memory(ggml_backend_buffer_t buf) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
+    const int cpu = dev != NULL && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    return ggml_backend_buffer_is_host(buf) || cpu;
+}
+
+void * empanel_pool_host_data(void * pool_tensor) {
+    struct ggml_tensor * t = pool_tensor;
+    if (t == NULL || t->buffer == NULL) {
+        return NULL;
+    }
+    return in_host_memory(t->buffer) ? t->data : NULL;
+}
+
+void * empanel_slot_data(void * pool_tensor, int32_t slot) {
+    struct ggml_tensor * t = pool_tensor;
+    if (t == NULL || t->buffer == NULL || slot < 0 || slot >= t->ne[2]) {
+        return NULL;
+    }
+    // plain host memory only (CPU, or a GPU backend's pinned host buffer): CPU_REPACK pools hold
+    // another layout (tensor->extra), device pools are not mapped
+    if (!ggml_backend_buffer_is_host(t->buffer) || t->extra != NULL) {
+        return NULL;
+    }
+    return (char *) t->data + (size_t) slot * t->nb[2];
+}
+
+void * empanel_staging_alloc(void * pool_tensor, size_t size, void ** buffer) {
+    struct ggml_tensor * t = pool_tensor;
+    ggml_backend_buffer_type_t buft = NULL;
+    if (t != NULL && t->buffer != NULL) {
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+        buft = dev != NULL ? ggml_backend_dev_host_buffer_type(dev) : NULL;
+    }
+    if (buft == NULL) {
+        buft = ggml_backend_cpu_buffer_type();
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, size);
+    *buffer = buf;
+    return buf != NULL ? ggml_backend_buffer_get_base(buf) : NULL;
+}
+
+void empanel_staging_release(void * buffer) {
+    if (buffer != NULL) {
+        ggml_backend_buffer_free(buffer);
+    }
+}
+
+// ggml-cpu (patch 0003): repack one expert (i2) of a 3-D tensor in a CPU_REPACK buffer, found by
+// name so that dynamically loaded CPU backends work too
+typedef int (*repack_slice_fn)(struct ggml_tensor * t, const void * data, size_t size, int64_t i2);
+
+static repack_slice_fn repack_slice(void) {
+    static repack_slice_fn fn   = NULL;
+    static int             done = 0;
+    if (!done) {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        ggml_backend_reg_t reg = dev != NULL ? ggml_backend_dev_backend_reg(dev) : NULL;
+        fn   = reg != NULL ? (repack_slice_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_repack_set_slice") : NULL;
+        done = 1;
+    }
+    return fn;
+}
+
+int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size) {
+    struct ggml_tensor * t = pool_tensor;
+    if (t == NULL || t->buffer == NULL || slot < 0 || slot >= t->ne[2] || size != t->nb[2]) {
+        return 1;
+    }
+    void * dst = empanel_slot_data(t, slot);
+    if (dst != NULL) {
+        memcpy(dst, data, size);
+        return 0;
+    }
+    if (t->extra != NULL && empanel_pool_host_data(t) != NULL) {
+        // a CPU extra buffer type: CPU_REPACK holds the same bytes in another layout
+        repack_slice_fn fn = repack_slice();
+        return fn != NULL && fn(t, data, size, slot) == 0 ? 0 : 2;
+    }
+    ggml_backend_tensor_set(t, data, (size_t) slot * t->nb[2], size); // device memory
+    return 0;
+}
