@@ -11,7 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 if not os.environ.get("EMPANEL_BENCH_INSTALLED") and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_targets import TITLE, targets  # noqa: E402
 from empanel_gguf.bench import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(reports=[(TITLE, targets)]))

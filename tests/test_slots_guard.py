@@ -596,3 +596,114 @@ def test_read_failure_inside_waves_raises_and_rolls_back(fixture_dir, share):
     failed = _child_json(env_script + _WAVE_FAULT_SCRIPT, path, 300)
     assert failed["raised"] is not None and "EMPANEL_FAULT_READ_AFTER" in failed["raised"]
     assert failed["n_tokens"] == 0  # the micro-batch's tokens were rolled back
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. the guard's contract: the estimate is not below what the load really holds
+
+
+_PEAK_AFTER_PROMPT_SCRIPT = """
+import json, sys
+from empanel_gguf import Llama
+from empanel_gguf.host_memory import proc_status
+slots = json.loads(sys.argv[2])
+llm = Llama(sys.argv[1], moe_slots=slots, n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2,
+            use_mmap=slots is not None, verbose=False)
+llm.eval(llm.tokenize(b"the quick brown fox jumps over the lazy dog " * 30)[:256])
+for _ in range(16):
+    llm.eval([llm.sample(temp=0.0)])
+print(json.dumps({"peak": proc_status()["VmHWM"]}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("moe_slots", [8, 64, None])
+def test_estimate_holds_the_measured_peak_rss(fixture_dir, moe_slots):
+    """The memory guard refuses by the estimate (plan.plan_load): a load, a 256-token prompt and a
+    few decoded tokens must peak below it, with and without slot pools. The estimate is an upper
+    bound, not a loose one: within 256 MiB of the measured peak here (the runtime allowance and
+    the compute buffer bound are most of the slack)."""
+    from empanel_gguf.plan import plan_load
+
+    path = model(fixture_dir, "qwen3moe-rss")
+    index = load_index(path)
+    kwargs = dict(n_ctx=512, n_batch=256, n_ubatch=256)
+    est = plan_load(index, moe_slots, kwargs, available=1 << 50, floor=0).estimate
+    peak = _child_json(_PEAK_AFTER_PROMPT_SCRIPT, path, json.dumps(moe_slots))["peak"]
+    mib = 2**20
+    print(f"\nmoe_slots={moe_slots}: peak RSS {peak / mib:.1f} MiB, estimate {est.host / mib:.1f} MiB "
+          f"({est.describe()})")
+    assert peak <= est.host
+    assert est.host - peak < 256 * mib
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. statistics are counters only; a preload that fails
+
+
+def test_stats_reset_leaves_eviction_unchanged(fixture_dir):
+    """lfu-decay's clock is the layer's own (micro-batches remapped), not its statistics: resetting
+    the statistics mid-run changes no slot, no later hit or miss and no logit."""
+    path = model(fixture_dir, "qwen3moe-f32")
+
+    def run(reset):
+        llm = Llama(str(path), moe_slots=4, moe_policy="lfu-decay", n_ubatch=1, **KW)
+        try:
+            tokens = llm.tokenize(PROMPT)
+            llm.eval(tokens[:6])
+            if reset:
+                llm._experts.reset_stats()
+            before = llm.moe_stats()["total"]
+            llm.eval(tokens[6:])
+            after = llm.moe_stats()["total"]
+            return (after["hits"] - before["hits"], after["misses"] - before["misses"],
+                    np.array(llm.scores[: llm.n_tokens], copy=True))
+        finally:
+            llm.close()
+
+    hits, misses, logits = run(False)
+    hits_reset, misses_reset, logits_reset = run(True)
+    assert (hits, misses) == (hits_reset, misses_reset) and misses > 0
+    assert np.array_equal(logits, logits_reset)
+
+
+def test_stats_reset_leaves_the_lab_pool_unchanged():
+    # the same through the sidecar's lab pools (the engine's code, no files): slot for slot
+    from empanel_gguf.pools import LabPool
+
+    calls = [[0, 1], [1, 2], [0, 3], [4], [1, 4], [2, 5], [0, 1], [3, 6], [1, 7], [0, 2]] * 3
+    plain, reset = LabPool("lfu-decay", [3], 8), LabPool("lfu-decay", [3], 8)
+    for i, experts in enumerate(calls):
+        if i == 7:
+            reset.reset_stats()
+        assert plain.access(0, experts) == reset.access(0, experts)
+        assert plain.slot_table(0) == reset.slot_table(0)
+    assert reset.stats(0)["n_remaps"] == len(calls) - 7
+
+
+_PRELOAD_FAULT_SCRIPT = """
+import json, os, sys
+os.environ["EMPANEL_FAULT_READ_AFTER"] = "3"
+from empanel_gguf import Llama, MoeReadError
+try:
+    Llama(sys.argv[1], moe_slots=16, moe_preload=True, n_ctx=64, verbose=False)
+    out = {"raised": None}
+except MoeReadError as e:
+    out = {"raised": str(e)}
+os.environ.pop("EMPANEL_FAULT_READ_AFTER")
+llm = Llama(sys.argv[1], moe_slots=16, moe_preload=True, n_ctx=64, verbose=False)
+out["preloaded"] = llm.moe_stats()["total"]["preloaded"]
+llm.close()
+print(json.dumps(out))
+"""
+
+
+def test_preload_failure_raises_and_frees_the_load(fixture_dir):
+    """A read that fails while preloading (the 3rd request, EIO from the failpoint) makes the
+    constructor raise MoeReadError with the reason; nothing of that load stays behind, and the
+    next load in the same process preloads every expert."""
+    path = model(fixture_dir, "qwen3moe-f32")
+    out = _child_json(_PRELOAD_FAULT_SCRIPT, path)
+    assert out["raised"] is not None and "preloading experts" in out["raised"]
+    assert "EMPANEL_FAULT_READ_AFTER" in out["raised"]
+    assert out["preloaded"] == 16 * len(load_index(path).layers)

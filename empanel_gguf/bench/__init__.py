@@ -27,7 +27,7 @@ What it does, in one run and one build:
 - Every run feeds the same tokens: a fixed prompt (pp) and a fixed forced continuation (tg, one
   token per eval, no sampling), so all arms see the same routing.
 
-Output: a markdown table (stdout), a details table, the targets of issue 4, and --json with every
+Output: a markdown table (stdout), a details table (scripts/bench.py adds issue 4's targets), and --json with every
 sample (rewritten after each run, so a long run can be watched). Progress goes to stderr.
 Root-only steps (dropping caches, cgroups, readahead) have switches to turn them off.
 

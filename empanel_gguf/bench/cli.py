@@ -20,7 +20,7 @@ from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
 from .runs import Bench, median, build_rows, log, run_child, sample_metrics
-from .report import details_table, fmt, fmt_bytes, main_table, model_label, targets
+from .report import details_table, fmt, fmt_bytes, main_table, model_label
 
 
 def build_info() -> dict:
@@ -185,7 +185,8 @@ def _configs(args, top_k) -> list[Config]:
     return [c for c in out if c.cap == CAP_NONE] + [c for c in out if c.cap == CAP]
 
 
-def main(argv=None) -> int:
+def main(argv=None, reports=()) -> int:
+    """reports: (title, fn(bench, rows) -> lines) printed after the tables and kept in the JSON."""
     args = setup_arg_parser().parse_args(argv)
     if args.child:
         return child_main(args.child)
@@ -297,8 +298,9 @@ def main(argv=None) -> int:
         if cgroup is not None:
             cgroup.remove()
         rows = build_rows(bench, configs)
-        tables = {"main": main_table(bench, rows), "details": details_table(bench, rows),
-                  "targets": targets(bench, rows)}
+        tables = {"main": main_table(bench, rows), "details": details_table(bench, rows)}
+        for title, report in reports:  # e.g. an issue's targets (scripts/bench.py)
+            tables[title] = report(bench, rows)
         write_json(bench, configs, rows, tables)
     print(f"\n{tables['main']}\n")
     print(f"{tables['details']}\n")
@@ -312,9 +314,10 @@ def main(argv=None) -> int:
     print(f"threads {args.threads}, pp{args.n_prompt} / tg{args.n_gen} {warm}, {args.repetitions} repetitions, "
           f"t/s median ± sd; read/tok: expert bytes read (empanel) or bytes the process read from the "
           f"drive (/proc/pid/io, stock); total {time.perf_counter() - t_start:.0f} s\n")
-    print("targets (issue 4):")
-    for line in tables["targets"]:
-        print(line)
+    for title, _ in reports:
+        print(f"{title}:")
+        for line in tables[title]:
+            print(line)
     for text in notices:
         print(f"NOTE: {text}")
     if args.json:
