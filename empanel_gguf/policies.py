@@ -233,6 +233,10 @@ class SLRU(_PerLayer):
     def new_layer(self):
         return OrderedDict(), OrderedDict()  # probation, protected; least recent first
 
+    def resident(self, layer):
+        probation, protected = self.state(layer)
+        return set(probation) | set(protected)
+
     def access(self, layer, experts):
         experts = self._distinct(experts)
         self._check(layer, experts)
@@ -280,6 +284,10 @@ class ARC(_PerLayer):
 
     def new_layer(self):
         return _Arc()
+
+    def resident(self, layer):
+        a = self.state(layer)
+        return set(a.t1) | set(a.t2)
 
     def _replace(self, a, in_b2, now):
         c = self.slots
@@ -374,6 +382,9 @@ class Belady(_PerLayer):
 
     def new_layer(self):
         return {}  # resident expert -> index of its next use
+
+    def resident(self, layer):
+        return set(self.state(layer))
 
     def access(self, layer, experts):
         experts = self._distinct(experts)

@@ -237,6 +237,7 @@ def test_invariants_and_belady_bound_on_random_calls(seed):
             hits, misses = run(p, calls)
             assert hits + misses == accesses
             assert belady[1] <= misses, (cls.name, slots)  # nothing beats the optimum
+            assert all(len(p.resident(lay)) <= slots for lay in {lay for lay, _ in calls})
             if isinstance(p, ARC):
                 for a in p.layers.values():
                     assert len(a.t1) + len(a.t2) <= slots and len(a.t1) + len(a.b1) <= slots
@@ -244,9 +245,6 @@ def test_invariants_and_belady_bound_on_random_calls(seed):
             elif isinstance(p, SLRU):
                 for probation, protected in p.layers.values():
                     assert len(probation) + len(protected) <= slots
-            else:
-                for lay in {lay for lay, _ in calls}:
-                    assert len(p.resident(lay)) <= slots
         # every policy with as many slots as experts misses only the first use of each
         assert run(make_policy("arc", 12), calls)[1] == len({(l, e) for l, es in calls for e in es})
 

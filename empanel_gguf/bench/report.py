@@ -125,19 +125,7 @@ def details_table(bench: Bench, rows) -> str:
 
 
 def kv_bytes(bench: Bench) -> int:
-    """f16 K and V cache of the context the runs use."""
-    import gguf
+    """The KV cache of the context the runs use (F16), as the memory guard estimates it."""
+    from ..estimate import estimate
 
-    reader = gguf.GGUFReader(bench.model_path)
-    arch = bench.index.architecture
-
-    def get(key, default):
-        f = reader.get_field(f"{arch}.{key}")
-        return int(f.contents()) if f is not None else default
-
-    n_embd = get("embedding_length", 0)
-    n_head = get("attention.head_count", 1)
-    n_head_kv = get("attention.head_count_kv", n_head)
-    k_len = get("attention.key_length", n_embd // max(1, n_head))
-    v_len = get("attention.value_length", k_len)
-    return bench.index.n_layer * bench.args.n_ctx * n_head_kv * (k_len + v_len) * 2
+    return estimate(bench.index, None, n_ctx=bench.args.n_ctx).kv
