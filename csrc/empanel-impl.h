@@ -44,6 +44,9 @@ struct empanel_layer {
     int32_t  * victims;     // [n_expert] scratch: the slots they go to
     uint32_t * uses;        // [n_slots]  LFU counts (halved every n_slots remaps)
     uint64_t   n_batches;   // micro-batches remapped: the LFU decay clock (stats resets leave it)
+    int32_t  * preload_order;   // [n_preload_order] experts preload takes first (empanel_pool_preload_order)
+    uint32_t * preload_uses;    // [n_preload_order] their starting LFU counts, or NULL
+    int32_t    n_preload_order;
     int32_t  * distinct;    // [n_expert] scratch: the micro-batch's distinct experts
     uint64_t * wave_mark;   // [n_slots]  wave (stamp) that claimed the slot while planning
     uint64_t * order_key;   // [n_expert] scratch: misses by last use in the micro-batch, then id

@@ -150,6 +150,14 @@ EMPANEL_API int32_t empanel_pool_slots(struct empanel_pool * pool, int32_t il, i
 // -1 on failure (the reason in empanel_pool_error; slots not yet read stay empty).
 EMPANEL_API int64_t empanel_pool_preload(struct empanel_pool * pool);
 
+// the order in which empanel_pool_preload fills layer il's empty slots: experts[0, n) first (e.g.
+// the layer's most used experts from a calibration profile), then the others by id. The experts
+// chosen are read in file order. uses [n] (or NULL): the LFU count each starts with (lfu-decay;
+// a count halves every n_slots micro-batches like the others). n = 0 forgets the order. Returns
+// 0, or -1 for a bad layer or id.
+EMPANEL_API int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
+                                               const uint32_t * uses, int32_t n);
+
 // counters of layer il (zeros for a layer that is not paged); reset all counters
 EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out);
 EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);

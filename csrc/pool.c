@@ -115,6 +115,8 @@ static void layer_free(struct empanel_layer * layer) {
     free(layer->plan_order);
     free(layer->plan_begin);
     free(layer->plan_ids);
+    free(layer->preload_order);
+    free(layer->preload_uses);
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         free(layer->tensors[i].held);
     }

@@ -532,20 +532,35 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
     return 0;
 }
 
-// up to max_fill of one layer's empty slots, filled with the experts it lacks (lowest ids
-// first); the experts read
+// the next expert preload takes for a layer: from its preload order, then by id; -1 when none is
+// left. *cursor walks the order, then the ids (offset by the order's length); *uses gets the LFU
+// count it starts with
+static int32_t next_preload_expert(const struct empanel_pool * pool, const struct empanel_layer * layer, int32_t * cursor,
+                                   uint32_t * uses) {
+    while (*cursor < layer->n_preload_order + pool->n_expert) {
+        const int32_t i = (*cursor)++;
+        const int32_t e = i < layer->n_preload_order ? layer->preload_order[i] : i - layer->n_preload_order;
+        if (layer->slot_of[e] < 0 && layer->miss_mark[e] != pool->call) {
+            *uses = i < layer->n_preload_order && layer->preload_uses != NULL ? layer->preload_uses[i] : 1;
+            return e;
+        }
+    }
+    return -1;
+}
+
+// up to max_fill of one layer's empty slots, filled with the experts it lacks (its preload order
+// first, then the lowest ids), read in file order; the experts read
 static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * layer, int32_t max_fill) {
     const uint64_t call = ++pool->call; // resident, least recent: the first victims of use
-    int32_t n = 0;
-    int32_t e = 0;
+    int32_t n      = 0;
+    int32_t cursor = 0;
     for (int32_t s = 0; s < layer->n_slots && n < max_fill; s++) {
         if (layer->expert_in[s] >= 0) {
             continue;
         }
-        while (e < pool->n_expert && layer->slot_of[e] >= 0) {
-            e++;
-        }
-        if (e == pool->n_expert) {
+        uint32_t uses = 1;
+        const int32_t e = next_preload_expert(pool, layer, &cursor, &uses);
+        if (e < 0) {
             break;
         }
         if (pool->policy == EMPANEL_POLICY_GLRU) {
@@ -555,15 +570,56 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
             pool->resident_bytes += layer->expert_bytes;
         }
         note_use(layer, s, call);
-        layer->misses[n]  = e++;
-        layer->victims[n] = s;
+        layer->uses[s]       = uses > 0 ? uses : 1;
+        layer->miss_mark[e]  = call; // taken: not chosen twice
+        layer->order_key[n] = (uint64_t) e << 32 | (uint32_t) s;
         n++;
+    }
+    qsort(layer->order_key, (size_t) n, sizeof(uint64_t), compare_uint64); // file order
+    for (int32_t i = 0; i < n; i++) {
+        layer->misses[i]  = (int32_t) (layer->order_key[i] >> 32);
+        layer->victims[i] = (int32_t) (layer->order_key[i] & 0xffffffffu);
     }
     if (n > 0 && fill_slots(pool, layer, n) != 0) {
         return -1;
     }
     layer->stats.preloaded += (uint64_t) n;
     return n;
+}
+
+int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
+                                   const uint32_t * uses, int32_t n) {
+    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots <= 0 || n < 0 || n > pool->n_expert) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] < 0 || experts[i] >= pool->n_expert) {
+            return -1;
+        }
+    }
+    pthread_mutex_lock(&pool->lock);
+    struct empanel_layer * layer = &pool->layers[il];
+    int32_t  * order  = n > 0 ? malloc(sizeof(int32_t) * (size_t) n) : NULL;
+    uint32_t * counts = n > 0 && uses != NULL ? malloc(sizeof(uint32_t) * (size_t) n) : NULL;
+    if ((n > 0 && order == NULL) || (n > 0 && uses != NULL && counts == NULL)) {
+        free(order);
+        free(counts);
+        pthread_mutex_unlock(&pool->lock);
+        return -1;
+    }
+    if (n > 0) {
+        memcpy(order, experts, sizeof(int32_t) * (size_t) n);
+    }
+    if (counts != NULL) {
+        memcpy(counts, uses, sizeof(uint32_t) * (size_t) n);
+    }
+    free(layer->preload_order);
+    free(layer->preload_uses);
+    layer->preload_order   = order;
+    layer->preload_uses    = counts;
+    layer->n_preload_order = n;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
 }
 
 int64_t empanel_pool_preload(struct empanel_pool * pool) {

@@ -10,6 +10,7 @@ COMMANDS = {
     "inspect": "routed experts of a GGUF: layers, types, offsets, sizes",
     "trace": "record every token's routed experts of a run into a trace file",
     "replay": "replay a routing trace through cache policies at several sizes",
+    "calibrate": "save a warm-start profile: each layer's most used experts on a text",
     "bench": "benchmark against stock llama.cpp on the same model (synthetic or yours)",
 }
 

@@ -1,7 +1,8 @@
 """What a load will keep resident, estimated from the GGUF header before loading (bytes):
 
     weights   every tensor that is not a routed expert (ModelIndex.other_bytes_total)
-    experts   the slot pools (SlotPlan.pool_bytes), or every routed expert without slot pools
+    experts   the slot pools and the resident layers' experts (SlotPlan.expert_bytes), or every
+              routed expert without slot pools
     kv        the KV cache: n_ctx * n_layer * n_head_kv * (head_k + head_v) * bytes per element
               (F16 unless type_k/type_v say otherwise); MLA models (deepseek2) store
               kv_lora_rank + rope dims per token instead. Sliding-window and recurrent layers are
@@ -146,7 +147,7 @@ def estimate(index, plan=None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_gpu_la
     n_ubatch = max(1, min(int(n_ubatch or 512), n_batch))
     notes = []
 
-    experts = plan.pool_bytes if plan is not None else index.expert_bytes_total
+    experts = plan.expert_bytes if plan is not None else index.expert_bytes_total
     per_token = shape.n_layer * shape.n_head_kv * (shape.head_k * kv_bytes_per_element(type_k)
                                                     + shape.head_v * kv_bytes_per_element(type_v))
     kv = int(per_token * n_ctx)

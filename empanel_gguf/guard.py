@@ -49,7 +49,8 @@ def advice(est: Estimate, index, plan, budget):
     """What to set so that the estimate fits in `budget` bytes of host memory."""
     out = []
     if index is not None and index.is_moe:
-        slots = max_slots_that_fit(index, budget, est.params)
+        resident_layers = plan.resident_layers if plan is not None else 0
+        slots = max_slots_that_fit(index, budget, est.params, resident_layers)
         if slots >= index.n_expert_used:
             size = slots * sum(layer.expert_bytes for layer in index.layers)
             out.append(f"fewer slots: --moe-slots {slots} (of {index.n_expert} experts per layer, "
@@ -69,13 +70,13 @@ def advice(est: Estimate, index, plan, budget):
     return out
 
 
-def max_slots_that_fit(index, budget, params):
+def max_slots_that_fit(index, budget, params, resident_layers=0):
     """The most slots per layer (top-k .. n_expert) whose estimate fits in `budget`; 0 if none.
     More slots mean larger pools and larger micro-batches, so the estimate grows with them."""
     lo, hi = index.n_expert_used, index.n_expert
 
     def fits(n):
-        return estimate(index, plan_slots(index, n), **params).host <= budget
+        return estimate(index, plan_slots(index, n, resident_layers=resident_layers), **params).host <= budget
 
     if not fits(lo):
         return 0

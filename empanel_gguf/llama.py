@@ -12,6 +12,7 @@ import sys
 import time
 
 from ._native import use_our_libraries
+from .format import format_bytes
 from .index import load_index
 from .pools import ExpertPools, MoeReadError, summary_line
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
@@ -45,12 +46,20 @@ class Llama(llama_cpp.Llama):
             as the slots and the g-lru budget go). None (default): only when every pool holds all
             its layer's experts, so that such a load is resident from the first token like a
             stock load; False: every expert is read on its first use.
+        moe_profile: a calibration profile (empanel-gguf calibrate) whose most used experts fill
+            the empty slots at load: "auto" (default) uses the saved profile of this model file
+            if there is one, a path uses that file (refused if it is another model's), None
+            starts cold. With a profile, moe_preload=None preloads.
+        moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
+            does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
+            size for moe_slots covers the resident layers' experts too.
         **kwargs: passed to llama_cpp.Llama unchanged (n_ubatch included: a micro-batch whose
             experts exceed the pools runs in waves that fit them, in every build).
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
-                 moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None, **kwargs):
+                 moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
+                 moe_resident_layers=0, moe_profile="auto", **kwargs):
         self._experts = None
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)
         self.moe_policy = moe_policy
@@ -59,13 +68,13 @@ class Llama(llama_cpp.Llama):
         if moe_slots is not None or moe_trace:
             index = load_index(model_path)
         if moe_slots == "auto":
-            moe_slots = self.moe_slots = _auto_slots(index, kwargs, verbose)
+            moe_slots = self.moe_slots = _auto_slots(index, kwargs, verbose, moe_resident_layers)
         if moe_slots is not None and not index.is_moe:
             _notice(verbose, f"{model_path}: no routed experts ({index.architecture}); "
                              "moe_slots ignored, loading as usual")
             moe_slots = None
         if moe_slots is not None:
-            plan = self._plan(index, moe_slots, moe_policy, kwargs, verbose)
+            plan = self._plan(index, moe_slots, moe_policy, moe_resident_layers, verbose)
         if plan is None and not (moe_trace and index.is_moe):
             super().__init__(model_path, *args, **kwargs)
             return
@@ -78,7 +87,8 @@ class Llama(llama_cpp.Llama):
         try:
             super().__init__(model_path, *args, **kwargs)
             experts.bind(self._model.model, self._ctx.ctx)
-            if plan is not None and (plan.holds_all if moe_preload is None else moe_preload):
+            profile = _warm_start(index, plan, experts, moe_profile, verbose) if plan is not None else None
+            if plan is not None and ((plan.holds_all or profile is not None) if moe_preload is None else moe_preload):
                 _preload(experts, verbose)
         except BaseException:
             experts.clear_plan()
@@ -91,21 +101,22 @@ class Llama(llama_cpp.Llama):
         self._wrap_decode()
 
     @staticmethod
-    def _plan(index, moe_slots, moe_policy, kwargs, verbose):
+    def _plan(index, moe_slots, moe_policy, resident_layers, verbose):
         """Slots per layer (micro-batches of any size run in waves that fit the pools)."""
         if moe_policy not in POLICIES:
             raise ValueError(f"moe_policy={moe_policy!r}: one of {', '.join(POLICIES)}")
-        plan = plan_slots(index, moe_slots, moe_policy)
+        plan = plan_slots(index, moe_slots, moe_policy, resident_layers)
         for text in plan.notices:
             _notice(verbose, text)
+        n_paged = len(index.layers) - plan.resident_layers
         if plan.budget_bytes:
-            _notice(verbose, f"g-lru: {plan.budget_bytes / 2**20:.1f} MiB of experts shared by "
-                             f"{len(index.layers)} MoE layers, up to {plan.min_slots} of {plan.n_expert} "
-                             f"per layer ({index.expert_bytes_total / 2**20:.1f} MiB of experts in all)")
+            _notice(verbose, f"g-lru: {format_bytes(plan.budget_bytes)} of experts shared by "
+                             f"{n_paged} MoE layers, up to {plan.min_slots} of {plan.n_expert} "
+                             f"per layer ({format_bytes(index.expert_bytes_total)} of experts in all)")
         else:
             _notice(verbose, f"{plan.min_slots} of {plan.n_expert} expert slots in each of "
-                             f"{len(index.layers)} MoE layers, {plan.pool_bytes / 2**20:.1f} MiB of pools "
-                             f"instead of {index.expert_bytes_total / 2**20:.1f} MiB of experts")
+                             f"{n_paged} MoE layers, {format_bytes(plan.pool_bytes)} of pools "
+                             f"instead of {format_bytes(index.expert_bytes_total)} of experts")
         return plan
 
     prompt_progress = None  # a progress.PromptProgress: long prompt evaluations report progress
@@ -168,11 +179,31 @@ def _preload(experts, verbose):
     t0 = time.perf_counter()
     n = experts.preload()
     total = experts.stats()["total"]
-    _notice(verbose, f"preloaded {n} experts ({total['bytes_read'] / 2**20:.1f} MiB) into the pools "
+    _notice(verbose, f"preloaded {n} experts ({format_bytes(total['bytes_read'])}) into the pools "
                      f"in {time.perf_counter() - t0:.2f} s ({total['read_gbps']:.2f} GB/s)")
 
 
-def _auto_slots(index, kwargs, verbose):
+def _warm_start(index, plan, experts, moe_profile, verbose):
+    """The calibration profile for this load (profile.py), its order handed to the pools; None
+    without one. "auto" ignores a cached profile it cannot use, with a notice; a path must fit."""
+    from .profile import ProfileError, resolve
+
+    try:
+        profile, where = resolve(index, moe_profile)
+    except ProfileError as e:
+        if moe_profile != "auto":
+            raise
+        _notice(verbose, f"warm start: {e}; starting cold")
+        return None
+    if profile is not None:
+        # counts up to the pool's size: under lfu-decay they halve away with the same clock
+        experts.set_preload_order(profile, seed_uses=plan.min_slots)
+        _notice(verbose, f"warm start: {where} ({profile.tokens} tokens routed): each layer's most used "
+                         "experts are preloaded")
+    return profile
+
+
+def _auto_slots(index, kwargs, verbose, resident_layers=0):
     """moe_slots="auto": the most slots that fit in available memory minus the floor (see
     plan.py), or None when every expert fits."""
     from .estimate import DEFAULT_N_CTX
@@ -180,7 +211,7 @@ def _auto_slots(index, kwargs, verbose):
 
     kwargs = dict(kwargs)
     kwargs["n_ctx"] = kwargs.get("n_ctx", 512) or DEFAULT_N_CTX
-    load = plan_load(index, "auto", kwargs, force=True)
+    load = plan_load(index, "auto", kwargs, resident_layers=resident_layers, force=True)
     for text in load.notes:
         _notice(verbose, text)
     return load.moe_slots

@@ -39,7 +39,7 @@ class LoadPlan:
         lines = list(self.notes)
         if self.plan is not None:
             lines += self.plan.notices
-            lines.append(f"{self.plan.min_slots} of {self.plan.n_expert} expert slots per MoE layer, "
+            lines.append(f"{self.plan.min_slots} of {self.plan.n_expert} expert slots per paged MoE layer, "
                          f"{format_bytes(self.plan.pool_bytes)} of pools instead of "
                          f"{format_bytes(index.expert_bytes_total)} of experts")
         lines.append(f"memory: about {format_bytes(self.estimate.host)} needed, "
@@ -63,12 +63,13 @@ def parse_moe_slots(value):
     return text
 
 
-def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, floor=None, force=False,
-              available=None, what=None) -> LoadPlan:
+def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, resident_layers=0, floor=None,
+              force=False, available=None, what=None) -> LoadPlan:
     """Decide the slots and check memory before a load.
 
     moe_slots: None (every expert resident), 'auto', or anything plan_slots takes. 'auto' keeps
     every expert resident when that fits, else the most slots that fit (at least top-k).
+    resident_layers: the first MoE layers keep every expert (sizing.plan_slots).
     llama_kwargs: the Llama arguments (n_ctx, n_batch, n_ubatch, n_gpu_layers, logits_all,
     flash_attn, type_k, type_v; others are ignored). Raises guard.MemoryRefused, or
     sizing.SlotsError for impossible moe_slots."""
@@ -93,7 +94,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, flo
                              + ("" if available is not None else " (available memory unknown)"))
             else:
                 # the fewest slots if none fit: check() below then refuses with the advice
-                moe_slots = max(max_slots_that_fit(index, available - floor, full.params),
+                moe_slots = max(max_slots_that_fit(index, available - floor, full.params, resident_layers),
                                 index.n_expert_used)
                 notes.append(f"moe-slots auto: {moe_slots} of {index.n_expert} expert slots per "
                              f"layer fit in {format_bytes(available - floor)} (available minus floor)")
@@ -101,7 +102,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, flo
         notes.append(f"{Path(index.path).name} has no routed experts; --moe-slots ignored")
         moe_slots = None
 
-    plan = plan_slots(index, moe_slots, policy) if moe_slots is not None else None
+    plan = plan_slots(index, moe_slots, policy, resident_layers) if moe_slots is not None else None
     est = estimate(index, plan, **kwargs)
     notes += est.notes
     check(est, index, plan, available=available, floor=floor, force=force, what=what)

@@ -157,10 +157,35 @@ class ExpertPools:
     def reset_stats(self):
         self.n.sidecar.empanel_stats_reset(self.pool)
 
+    def slot_table(self, layer):
+        """[n_slots] the expert each slot of the layer holds, -1 if empty."""
+        return slot_table(self.n, self.pool, layer, self.n_slots[layer])
+
+    def set_preload_order(self, profile, seed_uses=0):
+        """Preload fills each paged layer's empty slots with the profile's most used experts first;
+        seed_uses > 0: they start with LFU counts up to that, in proportion to their use."""
+        for il in self.index.moe_layers:
+            if self.n_slots[il] > 0:
+                order = profile.order(il)
+                row = profile.counts[profile.moe_layers.index(il)]
+                top = max(1, int(row.max()))
+                uses = [max(1, round(seed_uses * int(row[e]) / top)) for e in order] if seed_uses else None
+                buf = self.n.ffi.new("int32_t[]", order)
+                ubuf = self.n.ffi.new("uint32_t[]", uses) if uses else self.n.ffi.NULL
+                if self.n.sidecar.empanel_pool_preload_order(self.pool, il, buf, ubuf, len(order)) != 0:
+                    raise ValueError(f"empanel: layer {il}: the profile's preload order was refused")
+
     def free(self):
         if self.pool is not None:
             self.n.sidecar.empanel_pool_free(self.pool)
             self.pool = None
+
+
+def slot_table(n, pool, layer, n_slots):
+    """empanel_pool_slots as a list: the expert in each of the layer's n_slots slots, -1 if empty."""
+    out = n.ffi.new("int32_t[]", max(1, n_slots))
+    got = n.sidecar.empanel_pool_slots(pool, layer, out, n_slots)
+    return list(out[0:got])
 
 
 def _rate(hits, misses):
@@ -215,9 +240,7 @@ class LabPool:
 
     def slot_table(self, layer):
         """[n_slots] the expert each slot of the layer holds, -1 if empty."""
-        out = self.n.ffi.new("int32_t[]", max(1, self.n_slots[layer]))
-        n = self.n.sidecar.empanel_pool_slots(self.pool, layer, out, self.n_slots[layer])
-        return list(out[0:n])
+        return slot_table(self.n, self.pool, layer, self.n_slots[layer])
 
     def resident_bytes(self):
         return self.n.sidecar.empanel_pool_resident_bytes(self.pool)

@@ -49,7 +49,9 @@ class Recorder:
         self.moe_policy = moe_policy or getattr(llm, "moe_policy", None)
         llm.moe_take_trace()  # routing from before the recording is not ours
         stats = llm.moe_stats()
-        self.from_load = stats is None or not stats["layers"] or stats["total"]["n_remaps"] == 0
+        # untouched, empty pools: what a replay from an empty cache starts from (no preload either)
+        self.from_load = stats is None or not stats["layers"] or (
+            stats["total"]["n_remaps"] == 0 and stats["total"]["preloaded"] == 0)
         self.evals = []
         self.pending = 0  # evals at the end of self.evals whose records are still in the sidecar
         self.segments = []
@@ -232,7 +234,8 @@ class Recorder:
         from . import __version__
 
         llm, index, plan = self.llm, self.index, self.plan
-        per_slot = sum(layer.expert_bytes for layer in index.layers)
+        paged = index.layers[plan.resident_layers:] if plan else index.layers
+        per_slot = sum(layer.expert_bytes for layer in paged)
         recorded = dict(moe_slots=self.moe_slots, moe_policy=self.moe_policy if plan else None,
                         slots=plan.pool_bytes // per_slot if plan else None,
                         capacity=plan.min_slots if plan else None,

@@ -65,6 +65,8 @@ class EmpanelModelSettings(ModelSettings):
         default=DEFAULT_POLICY,
         description="Which expert a full pool evicts: lfu-decay (per layer, default), lru (per "
                     "layer) or g-lru (one budget for all layers).")
+    moe_resident_layers: int = Field(
+        default=0, description="The first N MoE layers keep every expert in memory (no pool).")
     mem_floor: Optional[str] = Field(
         default=None,
         description="Memory to keep free (2GiB, 5%, 0 = no guard): a load whose estimate leaves "
@@ -128,12 +130,13 @@ class _LlamaCppWithSlots:
         return getattr(llama_cpp, name)
 
 
-def _llama_with_slots(moe_slots, moe_policy=DEFAULT_POLICY):
+def _llama_with_slots(moe_slots, moe_policy=DEFAULT_POLICY, moe_resident_layers=0):
     class Llama(EmpanelLlama):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("moe_slots", moe_slots)
             if moe_slots is not None:
                 kwargs.setdefault("moe_policy", moe_policy)
+                kwargs.setdefault("moe_resident_layers", moe_resident_layers)
             super().__init__(*args, **kwargs)
 
     Llama.__name__ = Llama.__qualname__ = "Llama"
@@ -168,6 +171,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             index = load_index(settings.model)
             load = plan_load(index, parse_moe_slots(getattr(settings, "moe_slots", None) or "auto"),
                              settings.model_dump(), policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
+                             resident_layers=getattr(settings, "moe_resident_layers", 0),
                              floor=parse_floor(getattr(settings, "mem_floor", None)),
                              force=getattr(settings, "force", False), what=f"loading {alias}")
             for text in load.report(index):
@@ -182,7 +186,8 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
                     "floor": parse_floor(getattr(settings, "mem_floor", None))}
 
         saved = _model.llama_cpp
-        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(moe_slots, getattr(settings, "moe_policy", DEFAULT_POLICY)))
+        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(
+            moe_slots, getattr(settings, "moe_policy", DEFAULT_POLICY), getattr(settings, "moe_resident_layers", 0)))
         try:
             llm = _model.LlamaProxy.load_llama_from_model_settings(settings)
         finally:

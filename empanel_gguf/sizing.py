@@ -44,6 +44,13 @@ class SlotPlan:
     budget_bytes: int = 0    # g-lru: the shared budget (= pool_bytes); 0 for per-layer policies
     capacity_bytes: int = 0  # bytes of all pools' slots (above pool_bytes for g-lru)
     holds_all: bool = False  # every layer's pool (and budget) holds all its experts
+    resident_layers: int = 0  # the first MoE layers that keep every expert (no pool)
+    resident_bytes: int = 0  # bytes of their experts, held as a stock load holds them
+
+    @property
+    def expert_bytes(self):
+        """Bytes of experts the load holds at most: the pools and the resident layers."""
+        return self.pool_bytes + self.resident_bytes
 
     @property
     def min_slots(self):
@@ -58,15 +65,22 @@ def parse_size(text):
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def plan_slots(index, moe_slots, policy="lru"):
-    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`.
-    Micro-batches of any size run in waves that fit the pools: no micro-batch cap."""
-    layers = index.layers
-    if not layers:
+def plan_slots(index, moe_slots, policy="lru", resident_layers=0):
+    """Slots per layer for `moe_slots` (int, 'P%', or a size like '6GiB') under `policy`; the first
+    `resident_layers` MoE layers keep every expert (llama.cpp's --n-cpu-moe idea), and a size
+    covers their experts too. Micro-batches of any size run in waves that fit the pools."""
+    if not index.layers:
         raise SlotsError(f"{index.path}: no MoE layer with routed experts; moe_slots does not apply")
+    if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or resident_layers < 0:
+        raise SlotsError(f"moe_resident_layers={resident_layers!r}: give a number of MoE layers (0 or more)")
+    if resident_layers >= len(index.layers):
+        raise SlotsError(f"moe_resident_layers={resident_layers}: the model has {len(index.layers)} MoE "
+                         "layers; keeping them all resident is moe_slots=None")
+    resident, layers = index.layers[:resident_layers], index.layers[resident_layers:]
+    resident_bytes = sum(index.n_expert * layer.expert_bytes for layer in resident)
     n_expert, k = index.n_expert, index.n_expert_used
     notices = []
-    wanted = _wanted_slots(index, moe_slots)
+    wanted = _wanted_slots(index, moe_slots, layers, resident_bytes)
 
     if wanted < k:
         raise SlotsError(
@@ -77,6 +91,9 @@ def plan_slots(index, moe_slots, policy="lru"):
     if wanted > n_expert:
         notices.append(f"moe_slots={moe_slots!r}: {wanted} slots clamped to the {n_expert} experts per layer")
         wanted = n_expert
+    if resident:
+        notices.append(f"the first {resident_layers} MoE layers keep all {n_expert} experts resident "
+                       f"({resident_bytes / 2**20:.1f} MiB)")
 
     n_slots = [0] * index.n_layer
     pool_bytes = sum(wanted * layer.expert_bytes for layer in layers)
@@ -86,7 +103,8 @@ def plan_slots(index, moe_slots, policy="lru"):
     return SlotPlan(n_slots=n_slots, n_expert=n_expert, n_expert_used=k, pool_bytes=pool_bytes,
                     notices=notices, budget_bytes=pool_bytes if policy == "g-lru" else 0,
                     capacity_bytes=sum(capacity * layer.expert_bytes for layer in layers),
-                    holds_all=wanted >= n_expert)
+                    holds_all=wanted >= n_expert, resident_layers=resident_layers,
+                    resident_bytes=resident_bytes)
 
 
 def pool_slots(policy, slots, n_expert, n_expert_used):
@@ -97,7 +115,9 @@ def pool_slots(policy, slots, n_expert, n_expert_used):
     return slots
 
 
-def _wanted_slots(index, moe_slots):
+def _wanted_slots(index, moe_slots, layers=None, resident_bytes=0):
+    """Slots per paged layer (`layers`, default all MoE layers); a size first pays for the
+    resident layers' experts (`resident_bytes`)."""
     if isinstance(moe_slots, bool):
         raise SlotsError(f"moe_slots={moe_slots!r}: give a count, a share ('25%') or a size ('6GiB')")
     if isinstance(moe_slots, int):
@@ -118,5 +138,5 @@ def _wanted_slots(index, moe_slots):
     budget = parse_size(text)
     if budget is None:
         raise SlotsError(f"moe_slots={moe_slots!r}: not a count, a share ('25%') or a size ('6GiB')")
-    per_slot = sum(layer.expert_bytes for layer in index.layers)  # one slot in every layer
-    return budget // per_slot
+    per_slot = sum(layer.expert_bytes for layer in (index.layers if layers is None else layers))
+    return max(0, budget - resident_bytes) // per_slot  # one slot in every paged layer

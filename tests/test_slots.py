@@ -240,3 +240,34 @@ def test_masked_waves_bit_identical(fixture_dir, name, monkeypatch):
                 assert total["n_waves"] > total["n_remaps"]
             if not name.endswith("q4_k"):  # F16/F32 pools are plain host memory: masked
                 assert total["masked_pools"] > 0
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-q4_k", "deepseek2"])
+def test_resident_layers_bit_identical_and_accounted(fixture_dir, name):
+    """moe_resident_layers=1: the first MoE layer keeps every expert (no pool, no reads), the
+    others page at 25 %; logits equal stock's, and the estimate holds the resident experts."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    index = load_index(path)
+    first = index.moe_layers[0]
+    plan = plan_slots(index, "25%", resident_layers=1)
+    assert plan.n_slots[first] == 0 and all(plan.n_slots[il] > 0 for il in index.moe_layers[1:])
+    assert plan.resident_bytes == index.n_expert * index.layer(first).expert_bytes
+    est = estimate.estimate(index, plan, n_ctx=N_CTX)
+    assert est.experts == plan.pool_bytes + plan.resident_bytes
+    for n_prompt in (9, 100):
+        logits, tokens, stats, _ = run_stock_defaults(path, n_prompt, "25%", moe_resident_layers=1)
+        ref_logits, ref_tokens, _, _ = baseline(path, n_prompt)
+        assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
+        assert first not in stats["layers"] and set(stats["layers"]) == set(index.moe_layers[1:])
+    # a size pays for the resident layer first
+    size = plan.resident_bytes + 4 * sum(layer.expert_bytes for layer in index.layers[1:])
+    assert plan_slots(index, f"{size}B", resident_layers=1).min_slots == 4
+
+
+def test_resident_layers_bad_values(fixture_dir):
+    from empanel_gguf.sizing import SlotsError
+
+    index = load_index(fixtures.write_fixture("qwen3moe-q4_k", fixture_dir))
+    for bad in (-1, True, len(index.layers)):
+        with pytest.raises(SlotsError, match="moe_resident_layers"):
+            plan_slots(index, "25%", resident_layers=bad)

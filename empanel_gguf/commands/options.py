@@ -133,6 +133,8 @@ def add_moe_args(parser, moe_slots_default="auto"):
             metavar="auto|on|off", show_default="auto",
             help="read experts into the empty slots at load; auto: only when the pools hold every "
                  "expert")
+    env_arg(parser, "--moe-resident-layers", env="LLAMA_ARG_MOE_RESIDENT_LAYERS", type=int, default=0,
+            metavar="N", help="the first N MoE layers keep every expert in memory (no pool)")
 
 
 def llama_kwargs(args, n_ctx):
@@ -146,7 +148,7 @@ def moe_kwargs(args):
     """The Llama moe_* arguments of the options add_moe_args added (moe_slots aside)."""
     return dict(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
                 moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
-                moe_preload=args.moe_preload)
+                moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers)
 
 
 def plan_from_args(index, args, moe_slots, kwargs):
@@ -154,8 +156,9 @@ def plan_from_args(index, args, moe_slots, kwargs):
     from ..host_memory import parse_floor
     from ..plan import plan_load
 
-    load = plan_load(index, moe_slots, kwargs, policy=args.moe_policy, floor=parse_floor(args.mem_floor),
-                     force=args.force, what=f"loading {Path(index.path).name}")
+    load = plan_load(index, moe_slots, kwargs, policy=args.moe_policy, resident_layers=args.moe_resident_layers,
+                     floor=parse_floor(args.mem_floor), force=args.force,
+                     what=f"loading {Path(index.path).name}")
     for line in load.report(index):
         note(line)
     return load

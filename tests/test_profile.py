@@ -1,0 +1,104 @@
+"""Calibration profiles and the warm start (profile.py, empanel-gguf calibrate, moe_profile)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from empanel_gguf import Llama, fixtures
+from empanel_gguf.commands.options import BUILTIN_MODEL
+from empanel_gguf.exactness import greedy_logits
+from empanel_gguf.index import load_index
+from empanel_gguf.profile import ProfileError, calibrate, default_path, load_profile, resolve, save_profile
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMPANEL_PROFILE_DIR", str(tmp_path / "profiles"))  # a cache of each test's own
+
+
+@pytest.fixture(scope="module")
+def builtin_profile(tmp_path_factory):
+    if not BUILTIN_MODEL.is_file():
+        pytest.skip("the built-in model is not in this checkout")
+    return save_profile(calibrate(BUILTIN_MODEL), tmp_path_factory.mktemp("profile") / "builtin.json")
+
+
+def test_profile_round_trips_and_orders_by_use(builtin_profile):
+    index = load_index(BUILTIN_MODEL)
+    profile = load_profile(builtin_profile, index)
+    assert profile.moe_layers == index.moe_layers and profile.counts.shape == (len(index.layers), index.n_expert)
+    # every routed token counted once per layer: tokens x top-k
+    assert (profile.counts.sum(axis=1) == profile.tokens * index.n_expert_used).all()
+    order = profile.order(index.moe_layers[0])
+    row = profile.counts[0]
+    assert sorted(order) == list(range(index.n_expert)) and row[order[0]] == row.max()
+    again = save_profile(profile, builtin_profile.with_name("again.json"))
+    assert json.loads(again.read_text()) == json.loads(Path(builtin_profile).read_text())
+
+
+def test_profile_of_another_file_is_refused(builtin_profile, tmp_path):
+    other = fixtures.write_fixture("qwen3moe-q4_k", tmp_path)
+    with pytest.raises(ProfileError, match="not of qwen3moe-q4_k.gguf.*calibrate this model"):
+        load_profile(builtin_profile, load_index(other))
+    with pytest.raises(ProfileError):  # the Llama argument says the same, before anything loads
+        Llama(str(other), moe_slots=4, moe_profile=str(builtin_profile), verbose=False)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    with pytest.raises(ProfileError, match="not a readable profile"):
+        load_profile(garbage, load_index(other))
+
+
+def test_auto_finds_the_cached_profile(tmp_path):
+    path = fixtures.write_fixture("qwen3moe-f32", tmp_path)
+    index = load_index(path)
+    assert resolve(index, "auto") == (None, None)  # nothing cached: cold
+    saved = save_profile(calibrate(path, n_tokens=64), default_path(index))
+    profile, where = resolve(index, "auto")
+    assert where == saved and profile.tokens == 64
+    llm = Llama(str(path), moe_slots=4, n_ctx=128, verbose=False)  # moe_profile="auto"
+    try:  # warm start: the pools are filled at load with each layer's most used experts
+        stats = llm.moe_stats()
+        assert stats["total"]["preloaded"] == 4 * len(index.layers)
+        first = index.moe_layers[0]
+        assert set(llm._experts.slot_table(first)) == set(profile.order(first)[:4])
+    finally:
+        llm.close()
+
+
+def test_profile_changes_no_output(tmp_path):
+    path = fixtures.write_fixture("qwen3moe-q4_k", tmp_path)
+    profile = save_profile(calibrate(path, n_tokens=64), tmp_path / "p.json")
+    runs = []
+    for moe in ({"moe_slots": None}, {"moe_slots": 4, "moe_profile": None}, {"moe_slots": 4, "moe_profile": str(profile)}):
+        llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, **moe)
+        try:
+            runs.append(greedy_logits(llm, llm.tokenize(b"The quick brown fox jumps over the lazy dog"), 8))
+        finally:
+            llm.close()
+    for logits, tokens in runs[1:]:
+        assert tokens == runs[0][1] and np.array_equal(logits, runs[0][0])
+
+
+def test_profile_warm_start_hits_more_than_cold(builtin_profile):
+    import warm_start
+
+    rows = warm_start.compare(BUILTIN_MODEL, "25%", 64, builtin_profile)
+    print("\n" + "\n".join(f"{arm}: {100 * r[0]:.1f}% ({r[1]} hits, {r[2]} misses)" for arm, r in rows.items()))
+    assert rows["profile"][0] > rows["cold"][0]
+    assert rows["cold"][3] == 0 and rows["profile"][3] > 0
+
+
+def test_calibrate_command(tmp_path, capsys):
+    from empanel_gguf.cli import main
+
+    path = fixtures.write_fixture("qwen3moe-f32", tmp_path)
+    assert main(["calibrate", str(path), "-n", "32", "-o", str(tmp_path / "c.json")]) == 0
+    assert "32 tokens" in capsys.readouterr().out
+    assert load_profile(tmp_path / "c.json", load_index(path)).tokens == 32
+    assert main(["calibrate", str(tmp_path / "missing.gguf")]) == 1
