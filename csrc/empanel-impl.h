@@ -52,6 +52,13 @@ struct empanel_layer {
     uint64_t * order_key;   // [n_expert] scratch: misses by last use in the micro-batch, then id
     uint64_t   wave_stamp;  // waves planned so far
 
+    // the gate-ahead guess for this layer's next micro-batch (empanel_guess)
+    uint64_t * guess_mark;     // [n_expert] guess stamp that named the expert
+    uint64_t   guess_stamp;    // guesses so far
+    int        guess_live;     // a guess waits for the next remap (which evicts its experts last)
+    uint64_t * prefetch_mark;  // [n_slots] 1 + n_batches of the micro-batch a prefetch read the slot for, 0: none
+    int        prefetch_open;  // read-ahead slots whose tables are set before their bytes land
+
     // the waves of the current micro-batch (remap calls with a pool tensor); expert_in/slot_of
     // already say where every expert is at the end of it
     int        plan_open;           // some tensor has waves of this plan still to run
@@ -136,6 +143,7 @@ struct empanel_pool {
 
     int32_t   policy;       // enum empanel_policy
     int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read
+    int32_t   prefetch;     // paged layers ahead whose guessed misses are read
     struct empanel_reader reader;
 
     // scratch of one remap: jobs, chunks, staging for non-direct pools
@@ -223,6 +231,10 @@ int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer *
 // the batch is in flight until empanel_read_finish. 0, or -1 with the error recorded
 int      empanel_read_post   (struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
                               const int32_t * experts, const int32_t * slots, int32_t n);
+// start reading n experts of every tensor of a layer into their slots and return (as
+// empanel_read_post, all tensors at once)
+int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
+                                 const int32_t * experts, const int32_t * slots, int32_t n);
 // wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
 int      empanel_read_finish (struct empanel_pool * pool);

@@ -38,8 +38,10 @@ struct empanel_pool_params {
     int32_t  n_threads;    // reader threads besides the caller (default 8)
     uint32_t chunk_bytes;  // bytes per read request (default 256 KiB; rounded to 4 KiB)
     int32_t  direct_io;    // 1: O_DIRECT (default), -1: buffered reads through the page cache
-    int32_t  policy;       // EMPANEL_POLICY_*
+    int32_t  policy;       // enum empanel_policy
     uint64_t budget_bytes; // EMPANEL_POLICY_GLRU: bytes of resident experts over all layers
+    int32_t  prefetch;     // paged layers ahead whose guessed misses are read (empanel_guess); 0: guesses
+                           // only order eviction
 };
 
 // eviction policies (struct empanel_pool_params.policy); Python reads these names through cffi
@@ -73,6 +75,12 @@ struct empanel_layer_stats {
                            // behind compute, read while the previous wave computed)
     uint64_t n_waves;      // waves over all micro-batches (n_waves / n_remaps: waves per micro-batch)
     uint64_t preloaded;    // experts read by empanel_pool_preload (in bytes_read, not in misses)
+    uint64_t guessed;      // distinct experts the gate-ahead guesses named for micro-batches of this layer
+    uint64_t guess_routed; // distinct experts routed in the micro-batches that had a guess
+    uint64_t guess_hits;   // of those, the ones the guess named (recall: guess_hits / guess_routed)
+    uint64_t prefetched;   // experts read ahead from a guess (in bytes_read, not in misses)
+    uint64_t prefetch_used;   // of those, the ones their micro-batch routed to
+    uint64_t prefetch_wasted; // bytes read ahead for experts their micro-batch did not route to
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };
@@ -120,6 +128,20 @@ EMPANEL_API int32_t empanel_remap(
         int32_t         n_used,
         int32_t         n_tokens);
 
+// the gate-ahead guess hook (llama_empanel_guess_fn): expert ids [n_tokens][n_used] that layer il's
+// router picks for the FFN input of the paged layer `distance` layers before it, handed over while
+// that layer computes. The guessed experts are evicted last by il's next remap; with
+// params.prefetch >= distance the ones not resident are read into il's pool now (one batch in
+// flight at a time: a guess finding the reader busy reads nothing). Always returns 0.
+EMPANEL_API int32_t empanel_guess(
+        void          * pool,
+        int32_t         il,
+        int32_t         distance,
+        const int32_t * expert_ids,
+        int64_t         ids_row_stride,
+        int32_t         n_used,
+        int32_t         n_tokens);
+
 // what the pool decided that a user should know (e.g. "O_DIRECT refused, buffered reads"), or ""
 EMPANEL_API const char * empanel_pool_notice(struct empanel_pool * pool);
 
@@ -131,7 +153,8 @@ EMPANEL_API const char * empanel_pool_error(struct empanel_pool * pool);
 EMPANEL_API void         empanel_pool_clear_error(struct empanel_pool * pool);
 
 // routing trace: while on, every remap call (paged or observed layer) appends
-// [layer, n_tokens, n_used, expert ids (n_tokens x n_used)] to the trace, as int32
+// [layer, n_tokens, n_used, expert ids (n_tokens x n_used)] to the trace, as int32, and every
+// gate-ahead guess the same with -(layer + 1) in place of the layer
 EMPANEL_API void     empanel_trace_enable(struct empanel_pool * pool, int32_t on);
 // copy up to max int32 of the trace into out and drop them from it; returns how many
 EMPANEL_API uint64_t empanel_trace_take(struct empanel_pool * pool, int32_t * out, uint64_t max);

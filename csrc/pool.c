@@ -84,9 +84,12 @@ static int layer_alloc(struct empanel_layer * layer, int32_t n_slots, int32_t n_
     layer->plan_slot  = malloc(sizeof(int32_t) * n_expert);  // [n_expert] its slot then
     layer->plan_order = malloc(sizeof(int32_t) * n_expert);  // [n_expert] experts wave by wave
     layer->plan_begin = malloc(sizeof(int32_t) * (n_expert + 2)); // [waves + 1] first of each wave
+    layer->guess_mark    = calloc(n_expert, sizeof(uint64_t));   // [n_expert] guess that named it
+    layer->prefetch_mark = calloc(n_slots, sizeof(uint64_t));    // [n_slots] micro-batch read ahead for
     if (!layer->slot_of || !layer->miss_mark || !layer->expert_in || !layer->last_use ||
         !layer->call_mark || !layer->misses || !layer->victims || !layer->uses || !layer->wave_mark || !layer->order_key ||
-        !layer->distinct || !layer->plan_wave || !layer->plan_slot || !layer->plan_order || !layer->plan_begin) {
+        !layer->distinct || !layer->plan_wave || !layer->plan_slot || !layer->plan_order || !layer->plan_begin ||
+        !layer->guess_mark || !layer->prefetch_mark) {
         return -1;
     }
     for (int32_t e = 0; e < n_expert; e++) {
@@ -114,6 +117,8 @@ static void layer_free(struct empanel_layer * layer) {
     free(layer->plan_slot);
     free(layer->plan_order);
     free(layer->plan_begin);
+    free(layer->guess_mark);
+    free(layer->prefetch_mark);
     free(layer->plan_ids);
     free(layer->preload_order);
     free(layer->preload_uses);
@@ -263,6 +268,7 @@ struct empanel_pool * empanel_pool_init(
         empanel_pool_free(pool);
         return NULL;
     }
+    pool->prefetch = params != NULL && params->prefetch > 0 ? params->prefetch : 0;
     const int32_t  n_threads   = params != NULL && params->n_threads   > 0 ? params->n_threads   : 8;
     const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
     if (empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {

@@ -503,6 +503,11 @@ int empanel_read_post(struct empanel_pool * pool, struct empanel_layer * layer, 
     return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n) : 0;
 }
 
+int empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
+                            const int32_t * experts, const int32_t * slots, int32_t n) {
+    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n) : 0;
+}
+
 int empanel_read_finish(struct empanel_pool * pool) {
     if (!pool->inflight) {
         return 0;

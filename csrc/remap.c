@@ -14,24 +14,33 @@
 #include <stdlib.h>
 #include <string.h>
 
+// whether slot s holds an expert that the live gate-ahead guess named (evicted last)
+static int slot_guessed(const struct empanel_layer * layer, int32_t s) {
+    const int32_t e = layer->expert_in[s];
+    return layer->guess_live && e >= 0 && layer->guess_mark[e] == layer->guess_stamp;
+}
+
 // the slot in [begin, end) to evict, among those whose mark is not `taken`, -1 if none. Empty
-// slots (last_use 0, uses 0) go first under every policy.
+// slots (last_use 0, uses 0) go first under every policy; experts a live guess named go last.
 //   LRU:       least recently used
 //   LFU_DECAY: fewest uses (counts halve every n_slots micro-batches of the layer), then least recent
 static int32_t pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
                            const uint64_t * mark, uint64_t taken) {
-    int32_t  victim = -1;
-    uint32_t fewest = UINT32_MAX;
-    uint64_t oldest = UINT64_MAX;
+    int32_t  victim  = -1;
+    int      guessed = 2;
+    uint32_t fewest  = UINT32_MAX;
+    uint64_t oldest  = UINT64_MAX;
     for (int32_t s = begin; s < end; s++) {
         if (mark[s] == taken) {
             continue;
         }
+        const int      g    = slot_guessed(layer, s);
         const uint32_t uses = policy == EMPANEL_POLICY_LFU_DECAY ? layer->uses[s] : 0;
-        if (uses < fewest || (uses == fewest && layer->last_use[s] < oldest)) {
-            fewest = uses;
-            oldest = layer->last_use[s];
-            victim = s;
+        if (g < guessed || (g == guessed && (uses < fewest || (uses == fewest && layer->last_use[s] < oldest)))) {
+            guessed = g;
+            fewest  = uses;
+            oldest  = layer->last_use[s];
+            victim  = s;
         }
     }
     return victim;
@@ -41,6 +50,29 @@ static void note_use(struct empanel_layer * layer, int32_t s, uint64_t call) {
     layer->call_mark[s] = call;
     layer->last_use[s]  = call;
     layer->uses[s]     += layer->uses[s] < UINT32_MAX;
+}
+
+// the guess for this micro-batch (its n distinct experts in layer->distinct, used by `call`) is
+// spent: how many routed experts it named, and which read-ahead experts were routed
+static void close_guess(struct empanel_layer * layer, int32_t n, uint64_t call) {
+    if (layer->guess_live) {
+        layer->stats.guess_routed += (uint64_t) n;
+        for (int32_t i = 0; i < n; i++) {
+            layer->stats.guess_hits += layer->guess_mark[layer->distinct[i]] == layer->guess_stamp;
+        }
+        layer->guess_live = 0;
+    }
+    const uint64_t batch = layer->n_batches + 1;
+    for (int32_t s = 0; s < layer->n_slots; s++) {
+        if (layer->prefetch_mark[s] == batch) {
+            if (layer->call_mark[s] == call) {
+                layer->stats.prefetch_used++;
+            } else {
+                layer->stats.prefetch_wasted += layer->expert_bytes;
+            }
+        }
+        layer->prefetch_mark[s] = 0;
+    }
 }
 
 // one micro-batch done: the decay clock ticks (the layer's own, not its statistics)
@@ -165,6 +197,41 @@ static void claim_slot(struct empanel_pool * pool, struct empanel_layer * layer,
     note_use(layer, s, call);
 }
 
+static int compare_int32(const void * a, const void * b) {
+    const int32_t x = *(const int32_t *) a;
+    const int32_t y = *(const int32_t *) b;
+    return (x > y) - (x < y);
+}
+
+static int compare_uint64(const void * a, const void * b) {
+    const uint64_t x = *(const uint64_t *) a;
+    const uint64_t y = *(const uint64_t *) b;
+    return (x > y) - (x < y);
+}
+
+// expert e takes slot s (claimed for `call`): the tables say it is there from now on, its bytes
+// come with the reads that follow
+static void place_expert(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call) {
+    claim_slot(pool, layer, s, call);
+    layer->expert_in[s] = e;
+    layer->slot_of[e]   = s;
+    if (pool->policy == EMPANEL_POLICY_GLRU) {
+        empanel_lru_push_recent(pool, layer->lru_base + s);
+    }
+}
+
+// misses[0, n) -> victims[0, n) reordered by expert id: reads in file order
+static void sort_file_order(struct empanel_layer * layer, int32_t n) {
+    for (int32_t i = 0; i < n; i++) {
+        layer->order_key[i] = (uint64_t) layer->misses[i] << 32 | (uint32_t) layer->victims[i];
+    }
+    qsort(layer->order_key, (size_t) n, sizeof(uint64_t), compare_uint64);
+    for (int32_t i = 0; i < n; i++) {
+        layer->misses[i]  = (int32_t) (layer->order_key[i] >> 32);
+        layer->victims[i] = (int32_t) (layer->order_key[i] & 0xffffffffu);
+    }
+}
+
 // the n distinct experts: hits are used where they are, misses listed in layer->misses (the
 // files checked before they are read); the number of misses, or -1
 static int32_t split_hits(struct empanel_pool * pool, struct empanel_layer * layer, uint64_t call, int32_t n) {
@@ -205,18 +272,6 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
     }
     layer->stats.misses += (uint64_t) n_miss;
     return 0;
-}
-
-static int compare_int32(const void * a, const void * b) {
-    const int32_t x = *(const int32_t *) a;
-    const int32_t y = *(const int32_t *) b;
-    return (x > y) - (x < y);
-}
-
-static int compare_uint64(const void * a, const void * b) {
-    const uint64_t x = *(const uint64_t *) a;
-    const uint64_t y = *(const uint64_t *) b;
-    return (x > y) - (x < y);
 }
 
 // the n distinct experts exceed the pool: plan waves of at most half a pool each, alternating
@@ -286,12 +341,7 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
         for (; count < half_end[h] - half_begin[h] && next < n_miss; count++) {
             const int32_t s = pick_victim(layer, pool->policy, half_begin[h], half_end[h], layer->wave_mark, stamp);
             const int32_t e = layer->misses[next++];
-            claim_slot(pool, layer, s, call);
-            layer->expert_in[s] = e;
-            layer->slot_of[e]   = s;
-            if (pool->policy == EMPANEL_POLICY_GLRU) {
-                empanel_lru_push_recent(pool, layer->lru_base + s);
-            }
+            place_expert(pool, layer, s, e, call);
             layer->plan_wave[e] = w;
             layer->plan_slot[e] = s;
             layer->wave_mark[s] = stamp;
@@ -328,7 +378,8 @@ static void reconcile(struct empanel_pool * pool, struct empanel_layer * layer) 
             empanel_slot_release(layer, s); // the budget no longer counts it: neither does memory
         }
     }
-    layer->plan_open = 0;
+    layer->plan_open     = 0;
+    layer->prefetch_open = 0;
 }
 
 // pool == NULL: the micro-batch fits the pools; one remap for all the layer's tensors
@@ -350,13 +401,14 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         layer->stats.n_ids += (uint64_t) n_tokens * (uint64_t) n_used;
         return 0;
     }
-    if (layer->plan_open) {
+    if (layer->plan_open || layer->prefetch_open) {
         reconcile(pool, layer);
     }
     const int32_t n = collect_distinct(pool, layer, il, call, expert_ids, ids_row_stride, n_used, n_tokens);
     if (n < 0 || resolve_one_wave(pool, layer, il, call, n) != 0) {
         return -1;
     }
+    close_guess(layer, n, call);
     for (int32_t t = 0; t < n_tokens; t++) {
         const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
         for (int32_t j = 0; j < n_used; j++) {
@@ -447,7 +499,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
                               layer->tensors[ti].name, wave, n_waves);
             return -1;
         }
-        if (layer->plan_open) {
+        if (layer->plan_open || layer->prefetch_open) {
             reconcile(pool, layer);
         }
         const uint64_t call = ++pool->call;
@@ -483,6 +535,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
         } else if (plan_waves(pool, layer, il, call, n, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
             return -1;
         }
+        close_guess(layer, n, call);
         end_batch(pool, layer, layer->plan_waves);
     }
 
@@ -572,14 +625,11 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
         note_use(layer, s, call);
         layer->uses[s]       = uses > 0 ? uses : 1;
         layer->miss_mark[e]  = call; // taken: not chosen twice
-        layer->order_key[n] = (uint64_t) e << 32 | (uint32_t) s;
+        layer->misses[n]     = e;
+        layer->victims[n]    = s;
         n++;
     }
-    qsort(layer->order_key, (size_t) n, sizeof(uint64_t), compare_uint64); // file order
-    for (int32_t i = 0; i < n; i++) {
-        layer->misses[i]  = (int32_t) (layer->order_key[i] >> 32);
-        layer->victims[i] = (int32_t) (layer->order_key[i] & 0xffffffffu);
-    }
+    sort_file_order(layer, n);
     if (n > 0 && fill_slots(pool, layer, n) != 0) {
         return -1;
     }
@@ -679,7 +729,7 @@ void empanel_pool_clear_error(struct empanel_pool * pool) {
     // holding nothing; plans cut short are closed, so the next micro-batch plans afresh
     empanel_read_finish(pool);
     for (int32_t il = 0; il < pool->n_layer; il++) {
-        if (pool->layers[il].plan_open) {
+        if (pool->layers[il].plan_open || pool->layers[il].prefetch_open) {
             reconcile(pool, &pool->layers[il]);
         }
     }
@@ -702,4 +752,89 @@ int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t
     }
     pthread_mutex_unlock(&pool->lock);
     return rc;
+}
+
+// read ahead the guessed experts of a layer that are not resident, into the slots the policy
+// gives up (never a guessed expert's); g-lru takes only room the budget has, evicting no other
+// layer's expert (that layer may be computing). The tables say where the experts will be; their
+// bytes land before the layer's next remap (it finishes the batch first).
+static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    const uint64_t stamp = ++layer->wave_stamp;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t s = layer->slot_of[layer->distinct[i]];
+        if (s >= 0) {
+            layer->wave_mark[s] = stamp; // resident and guessed: kept
+        }
+    }
+    uint64_t staged_per_expert = 0;
+    for (int32_t t = 0; t < layer->n_tensors; t++) {
+        staged_per_expert += layer->tensors[t].direct ? 0 : layer->tensors[t].expert_size;
+    }
+    const uint64_t call = ++pool->call;
+    int32_t n_read = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = layer->distinct[i];
+        if (layer->slot_of[e] >= 0) {
+            continue;
+        }
+        if (staged_per_expert * (uint64_t) (n_read + 1) > 4 * (uint64_t) EMPANEL_STAGING) {
+            break; // staging for read-ahead stays bounded (32 MiB)
+        }
+        const int32_t s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->wave_mark, stamp);
+        if (s < 0) {
+            break;
+        }
+        if (pool->policy == EMPANEL_POLICY_GLRU && layer->expert_in[s] < 0 &&
+            pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
+            break; // no room in the budget without evicting another layer's expert
+        }
+        place_expert(pool, layer, s, e, call);
+        layer->wave_mark[s]     = stamp;
+        layer->prefetch_mark[s] = layer->n_batches + 1;
+        layer->misses[n_read]   = e;
+        layer->victims[n_read]  = s;
+        n_read++;
+    }
+    if (n_read == 0) {
+        return;
+    }
+    sort_file_order(layer, n_read);
+    layer->prefetch_open = 1; // a failed read empties the slots again (reconcile)
+    if (empanel_files_check(pool) == 0 && empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n_read) == 0) {
+        layer->stats.prefetched += (uint64_t) n_read;
+    }
+}
+
+int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t * expert_ids, int64_t ids_row_stride,
+                      int32_t n_used, int32_t n_tokens) {
+    struct empanel_pool * pool = user;
+    pthread_mutex_lock(&pool->lock);
+    struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
+    if (layer == NULL || layer->n_slots <= 0 || layer->observe || atomic_load(&pool->failed)) {
+        pthread_mutex_unlock(&pool->lock);
+        return 0;
+    }
+    // the guess's distinct experts, into layer->distinct (free between this layer's remaps)
+    const uint64_t stamp = ++layer->guess_stamp;
+    int32_t n = 0;
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = row[j];
+            if (e >= 0 && e < pool->n_expert && layer->guess_mark[e] != stamp) {
+                layer->guess_mark[e] = stamp;
+                layer->distinct[n++] = e;
+            }
+        }
+    }
+    layer->guess_live    = 1;
+    layer->stats.guessed += (uint64_t) n;
+    if (pool->tracing) { // [-(il + 1), n_tokens, n_used, ids]: the lab replays guess-ordered eviction
+        trace_call(pool, -(il + 1), expert_ids, ids_row_stride, n_used, n_tokens);
+    }
+    if (distance <= pool->prefetch && !pool->lab && !pool->inflight && !layer->plan_open && !layer->prefetch_open) {
+        prefetch_guess(pool, layer, n);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
 }

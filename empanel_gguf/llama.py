@@ -50,6 +50,13 @@ class Llama(llama_cpp.Llama):
             the empty slots at load: "auto" (default) uses the saved profile of this model file
             if there is one, a path uses that file (refused if it is another model's), None
             starts cold. With a profile, moe_preload=None preloads.
+        moe_guess: the gate-ahead guess (default True): while a layer runs a micro-batch that fits
+            its pools, the next layer's router is applied to this layer's FFN input; the experts
+            it names are evicted last by the next layer. Costs one small matmul per layer, no
+            reads; outputs are unchanged.
+        moe_prefetch: N > 0 also reads the guessed experts that are not resident while the
+            layer N or fewer layers before computes (guesses made N layers ahead; one batch of
+            reads in flight, demand reads first). 0 (default): no read-ahead.
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
@@ -59,10 +66,11 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
-                 moe_resident_layers=0, moe_profile="auto", **kwargs):
+                 moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, **kwargs):
         self._experts = None
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)
         self.moe_policy = moe_policy
+        self.moe_prefetch = moe_prefetch if moe_slots is not None else 0
         verbose = kwargs.get("verbose", True)
         index = plan = None
         if moe_slots is not None or moe_trace:
@@ -80,7 +88,8 @@ class Llama(llama_cpp.Llama):
             return
 
         experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
-                              chunk_kb=moe_chunk_kb, direct_io=moe_direct_io, trace=moe_trace)
+                              chunk_kb=moe_chunk_kb, direct_io=moe_direct_io, trace=moe_trace,
+                              guess=moe_guess, prefetch=moe_prefetch)
         if experts.notice():
             _notice(verbose, experts.notice())
         experts.set_plan()

@@ -109,6 +109,11 @@ class _EnginePolicy(Policy):
         lab, il = self.lab(layer)
         return lab.access(il, experts)
 
+    def guess(self, layer, experts):
+        """The gate-ahead guess the engine had for the layer's next call: evicted last."""
+        lab, il = self.lab(layer)
+        lab.guess(il, self._distinct(experts))
+
     def slot_table(self, layer):
         """[n_slots] the expert each of the layer's slots holds (-1: empty), as the engine keeps it."""
         lab, il = self.lab(layer)

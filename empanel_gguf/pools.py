@@ -19,7 +19,7 @@ class ExpertPools:
     """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
 
     def __init__(self, index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True,
-                 trace=False):
+                 trace=False, guess=True, prefetch=0):
         self.index = index
         self.plan = plan
         self.n = native()
@@ -50,6 +50,11 @@ class ExpertPools:
         params.direct_io = 1 if direct_io else -1
         params.policy = policy_id(policy)
         params.budget_bytes = plan.budget_bytes if plan is not None else 0
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"moe_prefetch={prefetch!r}: give a number of layers ahead (0 = off)")
+        params.prefetch = prefetch
+        # guesses: one layer ahead to order eviction, as many as prefetch reads
+        self.guess_depth = max(1, prefetch) if (guess or prefetch) and plan is not None else 0
         self.n_slots = ffi.new("int32_t[]", n_slots)
         self.paged = paged
         err = ffi.new("char[]", 512)
@@ -66,6 +71,8 @@ class ExpertPools:
         """Hand the plan to libllama for the load that follows on this thread."""
         self.n.llama.llama_empanel_set_plan(self.n_slots, self.index.n_layer,
                                             self.n.sidecar.empanel_remap, self.pool)
+        if self.guess_depth:
+            self.n.llama.llama_empanel_set_guess(self.n.sidecar.empanel_guess, self.guess_depth)
 
     def clear_plan(self):
         self.n.llama.llama_empanel_clear_plan()
@@ -106,7 +113,8 @@ class ExpertPools:
         layers = {}
         total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
                                "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
-                               "preloaded", "n_slots", "n_resident"), 0)
+                               "preloaded", "n_slots", "n_resident", "guessed", "guess_routed", "guess_hits",
+                               "prefetched", "prefetch_used", "prefetch_wasted"), 0)
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
@@ -119,6 +127,9 @@ class ExpertPools:
                 "copy_bytes": out.copy_bytes,
                 "remap_s": out.remap_ns / 1e9, "preloaded": out.preloaded,
                 "n_slots": out.n_slots, "n_resident": out.n_resident,
+                "guessed": out.guessed, "guess_routed": out.guess_routed, "guess_hits": out.guess_hits,
+                "prefetched": out.prefetched, "prefetch_used": out.prefetch_used,
+                "prefetch_wasted": out.prefetch_wasted,
             }
             row["hit_rate"] = _rate(row["hits"], row["misses"])
             layers[il] = row
@@ -132,6 +143,9 @@ class ExpertPools:
         total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
         total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
         total["masked_pools"] = self.n_masked
+        # the gate-ahead guess: recall over the micro-batches it was made for; read-ahead hits
+        total["guess_recall"] = total["guess_hits"] / total["guess_routed"] if total["guess_routed"] else 0.0
+        total["prefetch_hit_rate"] = total["prefetch_used"] / total["prefetched"] if total["prefetched"] else 0.0
         return {"layers": layers, "total": total}
 
     def take_trace(self):
@@ -241,6 +255,13 @@ class LabPool:
     def slot_table(self, layer):
         """[n_slots] the expert each slot of the layer holds, -1 if empty."""
         return slot_table(self.n, self.pool, layer, self.n_slots[layer])
+
+    def guess(self, layer, experts):
+        """A gate-ahead guess for the layer's next access (its experts are evicted last), as the
+        engine's guess hook hands it over (empanel_guess)."""
+        n = len(experts)
+        self._ids[0:n] = experts
+        self.n.sidecar.empanel_guess(self.pool, layer, 1, self._ids, n, n, 1)
 
     def resident_bytes(self):
         return self.n.sidecar.empanel_pool_resident_bytes(self.pool)

@@ -103,7 +103,7 @@ class Recorder:
                 i += 1
             if n != len(ev.tokens):
                 raise TraceError(f"{len(ev.tokens)} tokens evaluated, but the routing records hold "
-                                 f"micro-batches of {[size for size, _ in ev.batches]} tokens")
+                                 f"micro-batches of {[b[0] for b in ev.batches]} tokens")
         if i != len(batches) and not drop_rest:
             raise TraceError(f"{len(batches) - i} micro-batches of routing records left over")
         self.trace_s += time.perf_counter() - t0
@@ -201,14 +201,19 @@ class Recorder:
         n = sum(len(e.tokens) for e in self.evals)
         dtype = np.int16 if index.n_expert <= np.iinfo(np.int16).max else np.int32
         experts = np.full((n, len(self.moe_layers), k), -1, dtype=dtype)
+        guesses = np.full_like(experts, -1)
+        any_guess = False
         prompt = np.zeros(n, dtype=bool)
         tokens = np.zeros(n, dtype=np.int32)
         segment = np.zeros(n, dtype=np.int32)
         ubatch, calls = [], []
         t = 0
         for ev in self.evals:
-            for size, layers in ev.batches:
+            for size, layers, guessed in ev.batches:
                 row = [-1] * len(self.moe_layers)
+                for j, ids in guessed.items():
+                    guesses[t + size - ids.shape[0]:t + size, j] = ids
+                    any_guess = True
                 for j, ids in layers.items():
                     m = ids.shape[0]
                     if ids.shape[1] != k:
@@ -228,7 +233,7 @@ class Recorder:
         return Trace(experts=experts, prompt=prompt, tokens=tokens, segment=segment,
                      ubatch=np.array(ubatch, dtype=np.int32),
                      calls=np.array(calls, dtype=np.int32).reshape(len(ubatch), len(self.moe_layers)),
-                     meta=self.meta())
+                     meta=self.meta(), guesses=guesses if any_guess else None)
 
     def meta(self) -> dict:
         from . import __version__
@@ -241,7 +246,7 @@ class Recorder:
                         capacity=plan.min_slots if plan else None,
                         budget_bytes=plan.budget_bytes if plan else 0,
                         n_ubatch=int(llm.context_params.n_ubatch), n_batch=int(llm.n_batch),
-                        n_ctx=self.n_ctx)
+                        n_ctx=self.n_ctx, moe_prefetch=getattr(llm, "moe_prefetch", 0) if plan else 0)
         if plan is not None and recorded["moe_policy"] is None:
             recorded["moe_policy"] = "g-lru" if plan.budget_bytes else None  # lru or lfu-decay: unknown
         stats = llm.moe_stats()

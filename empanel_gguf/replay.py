@@ -38,6 +38,7 @@ class Call:
     layer: int        # MoE layer id
     experts: list     # distinct expert ids, in order of first use
     counted: bool     # a decode micro-batch's call (counted), else warm-up
+    guess: list | None = None  # the engine's gate-ahead guess for the call (trace version 2), if any
 
 
 
@@ -63,7 +64,11 @@ def build_calls(trace, max_tokens=None, count="decode"):
                 if lo >= b and not (n == 0 and b == t0 + size):
                     continue
                 ids = experts[lo:b, j].reshape(-1).tolist() if lo < b else []
-                calls.append(Call(layer, list(dict.fromkeys(e for e in ids if e >= 0)), counted))
+                guessed = None
+                if trace.guesses is not None and lo < b and step == size:  # as recorded: the engine's call
+                    named = [e for e in trace.guesses[lo:b, j].reshape(-1).tolist() if e >= 0]
+                    guessed = list(dict.fromkeys(named)) or None
+                calls.append(Call(layer, list(dict.fromkeys(e for e in ids if e >= 0)), counted, guessed))
         t0 += size
     return calls, n_split
 
@@ -77,6 +82,8 @@ def run_policy(policy, calls, expert_bytes):
     warm = dict(hits=0, misses=0, missed_bytes=0)
     layers = {}
     for c in calls:
+        if c.guess is not None and hasattr(policy, "guess"):  # engine policies order eviction by it
+            policy.guess(c.layer, c.guess)
         hits, misses = policy.access(c.layer, c.experts)
         side = counted if c.counted else warm
         side["hits"] += hits
@@ -198,8 +205,8 @@ def engine_check(trace, results):
     rec = meta.get("recorded_with") or {}
     stats = meta.get("engine_stats")
     if (not stats or not meta.get("engine_stats_from_load")
-            or rec.get("moe_policy") not in ENGINE_POLICIES):
-        return None
+            or rec.get("moe_policy") not in ENGINE_POLICIES or rec.get("moe_prefetch")):
+        return None  # read-ahead makes hits of misses: a replay of the policy alone differs
     # micro-batches that did not fit the pools ran in waves, which the replay models as split
     # micro-batches: same reads, another state afterwards, so the counts are not comparable
     capacity = pool_slots(rec["moe_policy"], rec.get("slots") or 0, meta["n_expert"], meta["n_expert_used"])

@@ -67,6 +67,12 @@ class EmpanelModelSettings(ModelSettings):
                     "layer) or g-lru (one budget for all layers).")
     moe_resident_layers: int = Field(
         default=0, description="The first N MoE layers keep every expert in memory (no pool).")
+    moe_prefetch: int = Field(
+        default=0, description="Read the gate-ahead guess's experts that are not resident, N layers ahead "
+                               "(0: the guess only orders eviction).")
+    moe_profile: Optional[str] = Field(
+        default="auto", description="Warm start from a calibration profile (empanel-gguf calibrate): auto "
+                                    "uses this model file's saved one if there is one; none starts cold.")
     mem_floor: Optional[str] = Field(
         default=None,
         description="Memory to keep free (2GiB, 5%, 0 = no guard): a load whose estimate leaves "
@@ -130,13 +136,14 @@ class _LlamaCppWithSlots:
         return getattr(llama_cpp, name)
 
 
-def _llama_with_slots(moe_slots, moe_policy=DEFAULT_POLICY, moe_resident_layers=0):
+def _llama_with_slots(moe_slots, **moe):
+    """Llama whose moe_slots (and, with slots, the other moe_* options) default to the settings'."""
     class Llama(EmpanelLlama):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("moe_slots", moe_slots)
             if moe_slots is not None:
-                kwargs.setdefault("moe_policy", moe_policy)
-                kwargs.setdefault("moe_resident_layers", moe_resident_layers)
+                for key, value in moe.items():
+                    kwargs.setdefault(key, value)
             super().__init__(*args, **kwargs)
 
     Llama.__name__ = Llama.__qualname__ = "Llama"
@@ -187,7 +194,11 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
 
         saved = _model.llama_cpp
         _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(
-            moe_slots, getattr(settings, "moe_policy", DEFAULT_POLICY), getattr(settings, "moe_resident_layers", 0)))
+            moe_slots, moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
+            moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
+            moe_prefetch=getattr(settings, "moe_prefetch", 0),
+            moe_profile=None if str(getattr(settings, "moe_profile", "auto")).lower() == "none"
+            else getattr(settings, "moe_profile", "auto")))
         try:
             llm = _model.LlamaProxy.load_llama_from_model_settings(settings)
         finally:

@@ -17,7 +17,7 @@ each prompt, at the end of each generation (and every TAKE_EVERY tokens of a lon
 them out per token. Recording does not change outputs. Its cost: one copy of the ids per call
 inside the sidecar (and, without slot pools, the remap op that observes them), plus the takes.
 
-File format (numpy .npz, written with np.savez_compressed; FORMAT_VERSION 1)
+File format (numpy .npz, written with np.savez_compressed; FORMAT_VERSION 2, version 1 read too)
 -----------------------------------------------------------------------------
 Let N = tokens evaluated, L = MoE layers (ascending layer ids, `meta["moe_layers"]`),
 k = experts per token (`meta["n_expert_used"]`), U = engine micro-batches.
@@ -39,6 +39,9 @@ k = experts per token (`meta["n_expert_used"]`), U = engine micro-batches.
     calls     int32 [U, L]      tokens in the remap call of micro-batch u and MoE layer j: the
                                 micro-batch size, fewer in the last layer (they are the micro-
                                 batch's last tokens), -1 where the layer made no call.
+    guesses   like experts      (version 2, optional) the gate-ahead guess the engine had for token t
+                                in MoE layer j when it remapped it (Llama(moe_guess=True) with
+                                slots): the experts it named, -1 where there was none.
     meta      str (0-d)         JSON: format ("empanel-gguf-trace"), version, model (file name),
                                 architecture, n_layer, n_expert, n_expert_used, moe_layers,
                                 expert_bytes (bytes of one expert, all its tensors, per MoE layer,
@@ -66,9 +69,11 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = "empanel-gguf-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)  # versions load_trace reads (1: no guesses)
 
 ARRAYS = ("experts", "prompt", "tokens", "segment", "ubatch", "calls")
+OPTIONAL = ("guesses",)
 
 
 
@@ -87,6 +92,7 @@ class Trace:
     ubatch: np.ndarray
     calls: np.ndarray
     meta: dict = field(default_factory=dict)
+    guesses: np.ndarray | None = None  # version 2: the gate-ahead guesses, as experts; None: none recorded
 
     @property
     def n_tokens(self) -> int:
@@ -126,7 +132,8 @@ def save_trace(trace: Trace, path) -> Path:
     meta = dict(trace.meta, format=FORMAT, version=FORMAT_VERSION)
     with open(path, "wb") as f:  # np.savez_* would append .npz to a name without it
         np.savez_compressed(f, meta=np.array(json.dumps(meta)),
-                            **{name: getattr(trace, name) for name in ARRAYS})
+                            **{name: getattr(trace, name) for name in ARRAYS},
+                            **{name: getattr(trace, name) for name in OPTIONAL if getattr(trace, name) is not None})
     return path
 
 
@@ -144,14 +151,15 @@ def load_trace(path) -> Trace:
     meta = json.loads(str(arrays.pop("meta")))
     if meta.get("format") != FORMAT:
         raise TraceError(f"{path}: format {meta.get('format')!r}, not {FORMAT!r}")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READS:
         raise TraceError(f"{path}: trace version {meta.get('version')}; this empanel-gguf reads "
-                         f"version {FORMAT_VERSION}")
+                         f"versions {', '.join(map(str, READS))}")
     trace = Trace(meta=meta, **arrays)
     n, n_layers = trace.n_tokens, len(meta["moe_layers"])
     if (trace.experts.ndim != 3 or trace.experts.shape[1:] != (n_layers, meta["n_expert_used"])
             or trace.prompt.shape != (n,) or trace.tokens.shape != (n,) or trace.segment.shape != (n,)
-            or int(trace.ubatch.sum()) != n or trace.calls.shape != (len(trace.ubatch), n_layers)):
+            or int(trace.ubatch.sum()) != n or trace.calls.shape != (len(trace.ubatch), n_layers)
+            or (trace.guesses is not None and trace.guesses.shape != trace.experts.shape)):
         raise TraceError(f"{path}: arrays of inconsistent shapes")
     return trace
 
@@ -161,27 +169,36 @@ def load_trace(path) -> Trace:
 
 
 def parse_records(raw, moe_layers):
-    """Split the sidecar's record stream ([layer, n_tokens, n_used, ids...] per remap call) into
-    micro-batches: a list of (n_tokens, {MoE layer position: ids [n, k]}). Within a micro-batch
-    the records come in ascending layer order, so a layer at or below the previous record's one
+    """Split the sidecar's record stream ([layer, n_tokens, n_used, ids...] per remap call;
+    -(layer + 1) for a gate-ahead guess) into micro-batches: a list of (n_tokens, {MoE layer
+    position: ids [n, k]}, {MoE layer position: guessed ids [n, k]}). Within a micro-batch the
+    remap records come in ascending layer order, so a layer at or below the previous record's one
     starts the next micro-batch; its size is its largest record (the last layer may hold fewer
-    tokens)."""
+    tokens). A layer's guess comes before its remap record; the last one counts."""
     raw = np.asarray(raw, dtype=np.int32)
     position = {layer: j for j, layer in enumerate(moe_layers)}
     batches = []
-    current, last = None, None
+    current, last, pending = None, None, {}
     i, end = 0, len(raw)
     while i < end:
         if i + 3 > end:
             raise TraceError(f"routing record cut short at entry {i} of {end}")
         layer, n, k = int(raw[i]), int(raw[i + 1]), int(raw[i + 2])
+        guess = layer < 0
+        layer = -layer - 1 if guess else layer
         if layer not in position or n < 0 or k <= 0 or i + 3 + n * k > end:
             raise TraceError(f"bad routing record at entry {i}: layer {layer}, {n} tokens, {k} ids each")
         j = position[layer]
-        if current is None or j <= last:
-            current = {}
-            batches.append(current)
-        current[j] = raw[i + 3:i + 3 + n * k].reshape(n, k)
-        last = j
+        ids = raw[i + 3:i + 3 + n * k].reshape(n, k)
         i += 3 + n * k
-    return [(max(ids.shape[0] for ids in layers.values()), layers) for layers in batches]
+        if guess:
+            pending[j] = ids  # for this layer's next remap record
+            continue
+        if current is None or j <= last:
+            current = ({}, {})
+            batches.append(current)
+        current[0][j] = ids
+        if j in pending:
+            current[1][j] = pending.pop(j)
+        last = j
+    return [(max(ids.shape[0] for ids in layers.values()), layers, guesses) for layers, guesses in batches]

@@ -119,3 +119,13 @@ def test_command_and_script_reach_the_bench(tmp_path):
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "usage: empanel-gguf bench" in done.stdout and "--write-model" in done.stdout
+
+
+def test_config_options_reach_llama():
+    from empanel_gguf.bench.configs import parse_config
+
+    (cfg,) = parse_config("empanel-25%/lfu-decay/prefetch=2/guess=off@cap", top_k=8)
+    assert cfg.moe_slots == "25%" and cfg.moe_policy == "lfu-decay" and cfg.cap == "cap"
+    assert cfg.moe_opts == {"moe_prefetch": 2, "moe_guess": False}
+    with pytest.raises(SystemExit, match="neither a policy"):
+        parse_config("empanel-25%/fifo", top_k=8)

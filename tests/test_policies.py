@@ -303,3 +303,15 @@ def test_replay_counts_decode_and_prices_misses():
     assert (full["hits"], full["misses"]) == (4, 2)
     none = replay(hand_trace(), sizes=[4], policies=["lru"], count="all")["results"][0]
     assert none["hits"] + none["misses"] == 3 + 1 + 6 and not math.isinf(none["ceiling_tok_s"])
+
+
+def test_a_guessed_expert_is_evicted_last():
+    # LRU, 2 slots: 0 1 miss. A guess naming 0 (the least recent) makes [2] evict 1 instead; without
+    # the guess 0 goes. The guess lasts one call: afterwards plain LRU again. The engine's own code.
+    plain, guessed = LRU(2), LRU(2)
+    for p in (plain, guessed):
+        run(p, [[0], [1]])
+    guessed.guess(0, [0, 5])
+    assert plain.access(0, [2]) == guessed.access(0, [2]) == (0, 1)
+    assert plain.resident(0) == {1, 2} and guessed.resident(0) == {0, 2}
+    assert guessed.access(0, [3]) == (0, 1) and guessed.resident(0) == {2, 3}  # 0 was least recent

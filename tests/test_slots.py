@@ -271,3 +271,33 @@ def test_resident_layers_bad_values(fixture_dir):
     for bad in (-1, True, len(index.layers)):
         with pytest.raises(SlotsError, match="moe_resident_layers"):
             plan_slots(index, "25%", resident_layers=bad)
+
+
+GUESS_CASES = [(name, prefetch) for name in fixtures.FIXTURES for prefetch in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("name,prefetch", GUESS_CASES, ids=[f"{n}-prefetch{p}" for n, p in GUESS_CASES])
+def test_guess_and_prefetch_bit_identical(fixture_dir, name, prefetch):
+    """The gate-ahead guess orders eviction (prefetch 0) or also reads ahead (1, 2 layers): what is
+    computed never changes. Decode micro-batches fit the pools, so every decoded token is guessed."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    index = load_index(path)
+    for n_prompt in (9, 100):
+        logits, tokens, stats, _ = run_stock_defaults(path, n_prompt, "25%", moe_prefetch=prefetch)
+        ref_logits, ref_tokens, _, _ = baseline(path, n_prompt)
+        assert tokens == ref_tokens and np.array_equal(logits, ref_logits), f"{n_prompt} prompt tokens"
+        t = stats["total"]
+        if len(index.layers) > 1:  # a layer after the first is guessed for every decoded token
+            assert t["guess_routed"] > 0 and 0 < t["guess_hits"] <= t["guess_routed"]
+        if prefetch and len(index.layers) > 1:
+            assert t["prefetched"] > 0 and t["prefetch_used"] <= t["prefetched"]
+        else:
+            assert t["prefetched"] == 0
+
+
+def test_guess_off_makes_no_guesses(fixture_dir):
+    path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
+    logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_guess=False)
+    ref_logits, ref_tokens, _, _ = baseline(path, 9)
+    assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
+    assert stats["total"]["guessed"] == 0 and stats["total"]["guess_recall"] == 0.0

@@ -707,3 +707,36 @@ def test_preload_failure_raises_and_frees_the_load(fixture_dir):
     assert out["raised"] is not None and "preloading experts" in out["raised"]
     assert "EMPANEL_FAULT_READ_AFTER" in out["raised"]
     assert out["preloaded"] == 16 * len(load_index(path).layers)
+
+
+_PREFETCH_FAULT_SCRIPT = """
+import json, os, sys
+from empanel_gguf import Llama, MoeReadError
+path, after = sys.argv[1], int(sys.argv[2])
+if after:
+    os.environ["EMPANEL_FAULT_READ_AFTER"] = str(after)
+llm = Llama(path, moe_slots=4, moe_prefetch=1, n_ctx=256, verbose=False)
+llm.eval(llm.tokenize(b"Hello the world, and this is a test"))
+out = {"raised": None, "n_tokens": None}
+try:
+    for i in range(40):
+        n = llm.n_tokens
+        llm.eval([llm.sample(temp=0.0)])
+except MoeReadError as e:
+    out["raised"], out["n_tokens"], out["before"] = str(e), llm.n_tokens, n
+stats = llm.moe_stats()["total"]
+out["n_reads"], out["prefetched"] = stats["n_reads"], stats["prefetched"]
+llm.close()
+print(json.dumps(out))
+"""
+
+
+def test_read_failure_while_reading_ahead_raises(fixture_dir):
+    """A read that fails in a read-ahead batch (moe_prefetch=1) surfaces at the guessed layer's
+    remap: the decode raises MoeReadError and takes no token in."""
+    path = model(fixture_dir, "qwen3moe-f32")
+    ok = _child_json(_PREFETCH_FAULT_SCRIPT, path, 0)
+    assert ok["raised"] is None and ok["prefetched"] > 0
+    failed = _child_json(_PREFETCH_FAULT_SCRIPT, path, int(0.8 * ok["n_reads"]))
+    assert failed["raised"] is not None and "EMPANEL_FAULT_READ_AFTER" in failed["raised"]
+    assert failed["n_tokens"] == failed["before"]

@@ -370,3 +370,17 @@ def test_a_failed_read_keeps_what_was_recorded(model, tmp_path):
         llm.close()
     assert trace.n_decode == n_decoded and trace.n_tokens == trace.ubatch.sum()
     assert (trace.experts[~trace.prompt] >= 0).all()
+
+
+def test_guesses_are_recorded_and_round_trip(model, tmp_path):
+    """With slots the engine's gate-ahead guesses go into the trace (version 2): every decoded
+    token has one in each MoE layer after the first; none in the first; they survive save/load."""
+    trace, _ = record(model, moe_slots=8)
+    assert trace.guesses is not None and trace.guesses.shape == trace.experts.shape
+    decode = ~trace.prompt
+    assert (trace.guesses[decode, 0] == -1).all()          # nothing guesses the first MoE layer
+    assert (trace.guesses[decode, 1:] >= 0).all()          # every later one, for every decoded token
+    loaded = load_trace(save_trace(trace, tmp_path / "g.npz"))
+    assert np.array_equal(loaded.guesses, trace.guesses) and loaded.meta["version"] == FORMAT_VERSION == 2
+    unguessed, _ = record(model, moe_slots=8, moe_guess=False)
+    assert unguessed.guesses is None and load_trace(save_trace(unguessed, tmp_path / "u.npz")).guesses is None

@@ -81,7 +81,7 @@ def _delta(after: dict | None, before: dict | None) -> dict | None:
     before = before or {}
     out = {}
     for key, value in after.items():
-        if key.endswith("_gbps") or key == "hit_rate":
+        if key.endswith("_gbps") or key in ("hit_rate", "guess_recall", "prefetch_hit_rate"):
             continue
         if isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and key not in ("n_slots", "n_resident"):
@@ -90,6 +90,8 @@ def _delta(after: dict | None, before: dict | None) -> dict | None:
             out[key] = value
     lookups = out.get("hits", 0) + out.get("misses", 0)
     out["hit_rate"] = out.get("hits", 0) / lookups if lookups else None
+    routed = out.get("guess_routed", 0)
+    out["guess_recall"] = out.get("guess_hits", 0) / routed if routed else None
     return out
 
 

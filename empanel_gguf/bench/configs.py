@@ -21,6 +21,7 @@ class Config:
     moe_slots: object = None  # for empanel: what Llama(moe_slots=) gets
     readahead_kb: int | None = None  # stock-mmap-ra<KB>: read_ahead_kb during the run
     moe_policy: str | None = None  # empanel-<slots>/<policy>: this run's moe_policy
+    moe_opts: dict | None = None  # empanel-<slots>/<key>=<value>: this run's moe_<key> (prefetch=1, guess=off)
 
     @property
     def key(self):
@@ -41,18 +42,26 @@ def parse_config(text: str, top_k: int) -> list[Config]:
     elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():
         kind, slots, ra = MMAP, None, int(name[len(MMAP) + 3:])
     elif name.startswith(EMPANEL + "-") and len(name) > len(EMPANEL) + 1:
-        value, _, policy = name[len(EMPANEL) + 1:].partition("/")
+        from ..sizing import POLICIES
+
+        value, *parts = name[len(EMPANEL) + 1:].split("/")
         kind, ra = EMPANEL, None
         slots = top_k if value == "min" else int(value) if value.isdigit() else value
-        if policy:
-            from ..sizing import POLICIES
-
-            if policy not in POLICIES:
-                raise SystemExit(f"bench: config '{text}': policy '{policy}' is not one of {', '.join(POLICIES)}")
-            return [Config(name, c, kind, slots, ra, policy) for c in caps]
+        policy, opts = None, {}
+        for part in parts:
+            if "=" in part:  # a Llama moe_* option of this run: prefetch=1, guess=off, profile=PATH
+                key, opt = parse_opt(part)
+                opts[key if key.startswith("moe_") else f"moe_{key}"] = opt
+            elif part in POLICIES:
+                policy = part
+            else:
+                raise SystemExit(f"bench: config '{text}': '{part}' is neither a policy "
+                                 f"({', '.join(POLICIES)}) nor key=value")
+        return [Config(name, c, kind, slots, ra, policy, opts or None) for c in caps]
     else:
         raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
-                         "empanel-<N|P%|size|min|auto>[/<policy>], each optionally @none or @cap")
+                         "empanel-<N|P%|size|min|auto>[/<policy>][/<key>=<value>...], each optionally "
+                         "@none or @cap")
     return [Config(name, c, kind, slots, ra) for c in caps]
 
 

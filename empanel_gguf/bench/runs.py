@@ -57,7 +57,8 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         "n_prompt": a.n_prompt, "n_gen": a.n_gen, "n_ctx": a.n_ctx, "n_batch": a.n_batch,
         "n_ubatch": a.n_ubatch, "threads": a.threads, "max_tg_s": a.max_tg_s, "min_tg": a.min_tg,
         "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
-        "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {})),
+        "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {}),
+                         **(cfg.moe_opts or {})),
         "llama_opts": dict(a.llama_opt), "result": str(result_path),
         "cgroup_procs": None,
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
@@ -210,6 +211,11 @@ def sample_metrics(s: dict) -> dict:
             m[f"{ph}_read_bytes"] = moe.get("bytes_read", 0)
             m[f"{ph}_hidden_pct"] = (100 * max(0.0, read_s - moe.get("wait_s", 0)) / read_s
                                      if read_s else None)  # reads done while the graph computed
+            if moe.get("guess_recall") is not None:  # the gate-ahead guess and its read-ahead
+                m[f"{ph}_guess_recall"] = moe["guess_recall"]
+            if moe.get("prefetched"):
+                m[f"{ph}_prefetch_used_pct"] = 100 * moe.get("prefetch_used", 0) / moe["prefetched"]
+                m[f"{ph}_prefetch_waste_per_tok"] = moe.get("prefetch_wasted", 0) / n
         else:
             m[f"{ph}_read_per_tok"] = m[f"{ph}_io_per_tok"]
             m[f"{ph}_compute_ms"] = 1000 * sec / n if n else None

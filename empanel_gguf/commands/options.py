@@ -135,6 +135,14 @@ def add_moe_args(parser, moe_slots_default="auto"):
                  "expert")
     env_arg(parser, "--moe-resident-layers", env="LLAMA_ARG_MOE_RESIDENT_LAYERS", type=int, default=0,
             metavar="N", help="the first N MoE layers keep every expert in memory (no pool)")
+    env_arg(parser, "--moe-guess", env="LLAMA_ARG_MOE_GUESS", type=parse_bool, default=True, metavar="on|off",
+            help="the gate-ahead guess: the next layer's router on this layer's input; its experts are "
+                 "evicted last (no reads)")
+    env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=int, default=0, metavar="N",
+            help="also read the guessed experts that are not resident, N layers ahead (0: off)")
+    env_arg(parser, "--moe-profile", env="LLAMA_ARG_MOE_PROFILE", default="auto", metavar="auto|PATH|none",
+            help="warm start from a calibration profile (empanel-gguf calibrate): auto uses this model "
+                 "file's saved one if there is one")
 
 
 def llama_kwargs(args, n_ctx):
@@ -148,7 +156,9 @@ def moe_kwargs(args):
     """The Llama moe_* arguments of the options add_moe_args added (moe_slots aside)."""
     return dict(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
                 moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
-                moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers)
+                moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
+                moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch,
+                moe_profile=None if str(args.moe_profile).lower() in ("none", "off", "") else args.moe_profile)
 
 
 def plan_from_args(index, args, moe_slots, kwargs):
