@@ -60,9 +60,9 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
         from empanel_gguf.exactness import greedy_logits
         TEXT = b" ".join(b"%d: the %s fox and the lazy dog, seen %d times." % (i, b"quick" if i % 3 else b"slow", i * 7)
                          for i in range(200))
-        def run(path, moe_slots, n_prompt):
+        def run(path, moe_slots, n_prompt, prefetch=0):
             llm = Llama(str(path), n_ctx=1024, n_gpu_layers=99, logits_all=True, verbose=False,
-                        moe_slots=moe_slots)
+                        moe_slots=moe_slots, moe_prefetch=prefetch)
             try:
                 logits, tokens = greedy_logits(llm, llm.tokenize(TEXT)[:n_prompt], 8)
                 return logits, tokens, llm.moe_stats(), llm.context_params.n_ubatch
@@ -75,14 +75,15 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
             for n_prompt in (9, 100, 700):
                 ref, ref_tokens, _, ref_ubatch = run(path, None, n_prompt)
                 for slots in (spec.n_expert_used, "25%"):
-                    got, tokens, stats, ubatch = run(path, slots, n_prompt)
+                    # 25 %: the gate-ahead guess reads ahead into the device pools as well
+                    got, tokens, stats, ubatch = run(path, slots, n_prompt, 1 if slots == "25%" else 0)
                     total = stats["total"]
                     rows.append(dict(name=name, slots=str(slots), n_prompt=n_prompt, ubatch=ubatch,
                                      ref_ubatch=ref_ubatch, same_tokens=tokens == ref_tokens,
                                      identical=bool(np.array_equal(got, ref)),
                                      max_diff=float(np.abs(got - ref).max()),
                                      n_waves=total["n_waves"], n_remaps=total["n_remaps"],
-                                     masked_pools=total["masked_pools"]))
+                                     masked_pools=total["masked_pools"], prefetched=total["prefetched"]))
         print("ROWS", json.dumps(rows))
     """)
     names = "qwen3moe-q4_k,gpt-oss,deepseek2"
@@ -98,6 +99,7 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
         assert row["masked_pools"] > 0, row  # device pools: masked waves
         if row["n_prompt"] >= 100:
             assert row["n_waves"] > row["n_remaps"], row  # the prompt ran in waves
+    assert any(row["prefetched"] > 0 for row in rows)  # read-ahead into device pools ran
 
 
 def test_mixed_placement_some_layers_on_device(tmp_path):

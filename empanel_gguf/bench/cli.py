@@ -109,6 +109,9 @@ def setup_arg_parser():
     g.add_argument("--heads-kv", type=int, default=d.n_head_kv, help=f"(default: {d.n_head_kv})")
     g.add_argument("--head-dim", type=int, default=d.head_dim, help=f"(default: {d.head_dim})")
     g.add_argument("--seed", type=int, default=d.seed, help="weights seed (default: 0)")
+    g.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+                   help="router rows scaled by exp(S * N(0,1)) per expert: some experts are routed to far "
+                        "more often, as in trained models (default: 0, uniform routing)")
 
     g = p.add_argument_group("runs")
     g.add_argument("-r", "--repetitions", type=int, default=3, help="runs per configuration (default: 3)")
@@ -196,7 +199,8 @@ def main(argv=None, reports=()) -> int:
     if args.write_model:
         shape = ModelShape(n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
                            n_embd=args.embd, n_ff_exp=args.expert_ff, n_head=args.heads,
-                           n_head_kv=args.heads_kv, head_dim=args.head_dim, seed=args.seed)
+                           n_head_kv=args.heads_kv, head_dim=args.head_dim, seed=args.seed,
+                           routing_skew=args.routing_skew)
         model = write_model(shape, args.write_model, log=log)
         if args.write_only:
             return 0

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..format import GiB
@@ -37,6 +37,10 @@ class ModelShape:
     head_dim: int = 128
     context_length: int = 4096
     seed: int = 0
+    # routing skew: router rows scaled by exp(skew * N(0, 1)) per expert, so that some experts win
+    # the top-k far more often (0: every expert alike, as random weights route). Out of repr: the
+    # fingerprint of an unskewed model is the one it always was
+    routing_skew: float = field(default=0.0, repr=False)
 
     def check(self):
         for what, n in (("--embd", self.n_embd), ("--expert-ff", self.n_ff_exp),
@@ -52,7 +56,8 @@ class ModelShape:
 
 
 def shape_fingerprint(shape: ModelShape) -> str:
-    return hashlib.sha256(f"{WRITER_VERSION}:{shape!r}".encode()).hexdigest()[:16]
+    skew = f":skew={shape.routing_skew!r}" if shape.routing_skew else ""
+    return hashlib.sha256(f"{WRITER_VERSION}:{shape!r}{skew}".encode()).hexdigest()[:16]
 
 
 def q4_k_blocks(rng, n_rows: int, ne0: int, fan_in: int, scale: float = 1.0):
@@ -88,7 +93,7 @@ def _tensor_plan(shape: ModelShape, n_vocab: int):
             (p + "attn_q_norm.weight", (s.head_dim,), "norm", 1.0),
             (p + "attn_k_norm.weight", (s.head_dim,), "norm", 1.0),
             (p + "ffn_norm.weight", (s.n_embd,), "norm", 1.0),
-            (p + "ffn_gate_inp.weight", (s.n_embd, s.n_expert), "router", 1.0),
+            (p + "ffn_gate_inp.weight", (s.n_embd, s.n_expert), "router", s.routing_skew),
             (p + "ffn_gate_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), "q4k", 1.0),
             (p + "ffn_up_exps.weight", (s.n_embd, s.n_ff_exp, s.n_expert), "q4k", 1.0),
             (p + "ffn_down_exps.weight", (s.n_ff_exp, s.n_embd, s.n_expert), "q4k", 1.0),
@@ -109,8 +114,10 @@ def _tensor_data(rng, ne, kind, scale):
     if kind == "norm":
         return np.ones(tuple(reversed(ne)), dtype=np.float32)
     if kind == "router":  # logits with std ~1: routing changes from token to token
-        w = rng.standard_normal(tuple(reversed(ne)), dtype=np.float32)
-        return w * np.float32(1.0 / math.sqrt(ne[0]))
+        w = rng.standard_normal(tuple(reversed(ne)), dtype=np.float32) * np.float32(1.0 / math.sqrt(ne[0]))
+        if scale:  # skew (routing_skew): expert e's logits scaled by exp(skew * N(0, 1))
+            w *= np.exp(scale * rng.standard_normal(ne[1])).astype(np.float32)[:, None]
+        return w
     n_rows = math.prod(ne[1:])
     blocks = q4_k_blocks(rng, n_rows, ne[0], fan_in=ne[0], scale=scale)
     return blocks.reshape(tuple(reversed(ne[1:])) + (blocks.shape[-1],))
