@@ -197,8 +197,9 @@ def resolve(index, moe_profile):
 
 def calibrate(model_path, text=None, n_tokens=2048, n_threads=None):
     """Route `text` (DEFAULT_TEXT when None; at most n_tokens tokens, in windows of the model's
-    training context) through the model with every expert resident and count each layer's
-    experts. Returns the Profile."""
+    training context) through the model and count each layer's experts. Every expert resident
+    when the model fits in memory, else slot pools (moe_slots="auto"): routing is the same either
+    way. Returns the Profile."""
     from .estimate import model_shape
     from .index import load_index
     from .llama import Llama
@@ -208,8 +209,8 @@ def calibrate(model_path, text=None, n_tokens=2048, n_threads=None):
         raise ProfileError(f"{model_path}: no routed experts ({index.architecture}): nothing to calibrate")
     window = max(16, min(n_tokens, model_shape(index).n_ctx_train or 4096))
     # logits_all: the last layer runs every token too (else only the tokens whose logits are wanted)
-    llm = Llama(str(model_path), moe_trace=True, logits_all=True, n_ctx=window, n_batch=min(512, window),
-                n_threads=n_threads, verbose=False)
+    llm = Llama(str(model_path), moe_trace=True, moe_slots="auto", moe_profile=None, logits_all=True,
+                n_ctx=window, n_batch=min(512, window), n_threads=n_threads, verbose=False)
     try:
         tokens = llm.tokenize((text if text is not None else DEFAULT_TEXT).encode("utf-8"))[:n_tokens]
         counts = np.zeros((len(index.moe_layers), index.n_expert), dtype=np.int64)

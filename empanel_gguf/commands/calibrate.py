@@ -1,7 +1,7 @@
 """`empanel-gguf calibrate MODEL.gguf [-f TEXT] [-n N] [-o PROFILE]`: a warm-start profile.
 
-Routes a text through the model with every expert resident (a built-in text of several kinds of
-prose when -f is not given) and saves how often each MoE layer used each expert, tied to the model
+Routes a text through the model (a built-in text of several kinds of prose when -f is not given;
+every expert resident if the model fits in memory, else slot pools: routing is the same) and saves how often each MoE layer used each expert, tied to the model
 file's identity (size and header digest). Llama(moe_profile="auto"), the default, and `run` /
 `serve` then fill the empty slots at load with each layer's most used experts instead of the
 lowest ids. Without -o the profile goes to the cache, where "auto" finds it. Outputs never change;
