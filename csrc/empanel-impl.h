@@ -56,7 +56,8 @@ struct empanel_layer {
     uint64_t * guess_mark;     // [n_expert] guess stamp that named the expert
     uint64_t   guess_stamp;    // guesses so far
     int        guess_live;     // a guess waits for the next remap (which evicts its experts last)
-    uint64_t * prefetch_mark;  // [n_slots] 1 + n_batches of the micro-batch a prefetch read the slot for, 0: none
+    uint64_t * prefetch_mark;  // [n_slots] 1: read ahead for the next micro-batch, not yet accounted
+    int32_t    guess_n;        // distinct experts the live guess names
     int        prefetch_open;  // read-ahead slots whose tables are set before their bytes land
 
     // the waves of the current micro-batch (remap calls with a pool tensor); expert_in/slot_of
@@ -200,6 +201,8 @@ void empanel_slot_release(struct empanel_layer * layer, int32_t slot);
 // g-lru: take expert entry e out of the recency list / put it at the recent end
 void empanel_lru_unlink(struct empanel_pool * pool, int32_t e);
 void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e);
+// slot s stops holding what a read-ahead put there before its micro-batch came: wasted bytes
+void empanel_prefetch_drop(struct empanel_layer * layer, int32_t s);
 // g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
 // bytes fit in the budget
 void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);

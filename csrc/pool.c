@@ -378,6 +378,13 @@ void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e) {
     pool->lru_tail = e;
 }
 
+void empanel_prefetch_drop(struct empanel_layer * layer, int32_t s) {
+    if (layer->prefetch_mark[s] != 0) {
+        layer->stats.prefetch_wasted += layer->expert_bytes;
+        layer->prefetch_mark[s] = 0;
+    }
+}
+
 // evict least recently used experts of any layer (none that this call uses) until `need` more
 // bytes fit in the budget; the budget yields when only this call's experts are left
 void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
@@ -393,6 +400,7 @@ void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t 
             layer->last_use[s]  = 0; // empty: taken first by its layer
             layer->uses[s]      = 0;
             pool->resident_bytes -= layer->expert_bytes;
+            empanel_prefetch_drop(layer, s);
             empanel_slot_release(layer, s);
         }
         e = next;

@@ -56,22 +56,20 @@ static void note_use(struct empanel_layer * layer, int32_t s, uint64_t call) {
 // spent: how many routed experts it named, and which read-ahead experts were routed
 static void close_guess(struct empanel_layer * layer, int32_t n, uint64_t call) {
     if (layer->guess_live) {
+        layer->stats.guessed      += (uint64_t) layer->guess_n;
         layer->stats.guess_routed += (uint64_t) n;
         for (int32_t i = 0; i < n; i++) {
             layer->stats.guess_hits += layer->guess_mark[layer->distinct[i]] == layer->guess_stamp;
         }
         layer->guess_live = 0;
     }
-    const uint64_t batch = layer->n_batches + 1;
+    // read-ahead slots still holding their expert (others were dropped when their slot was taken)
     for (int32_t s = 0; s < layer->n_slots; s++) {
-        if (layer->prefetch_mark[s] == batch) {
-            if (layer->call_mark[s] == call) {
-                layer->stats.prefetch_used++;
-            } else {
-                layer->stats.prefetch_wasted += layer->expert_bytes;
-            }
+        if (layer->prefetch_mark[s] != 0 && layer->call_mark[s] == call) {
+            layer->stats.prefetch_used++;
+            layer->prefetch_mark[s] = 0;
         }
-        layer->prefetch_mark[s] = 0;
+        empanel_prefetch_drop(layer, s); // not routed: wasted
     }
 }
 
@@ -182,6 +180,7 @@ static void use_hit(struct empanel_pool * pool, struct empanel_layer * layer, in
 // claim slot s for an expert that comes: its expert leaves (g-lru: an empty slot takes room in
 // the budget from the least recent expert of any layer)
 static void claim_slot(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
+    empanel_prefetch_drop(layer, s);
     if (layer->expert_in[s] >= 0) {
         // the layer's own expert goes (its bytes stay counted for the one that comes)
         layer->slot_of[layer->expert_in[s]] = -1;
@@ -372,6 +371,7 @@ static void reconcile(struct empanel_pool * pool, struct empanel_layer * layer) 
         layer->expert_in[s] = -1;
         layer->uses[s]      = 0;
         layer->last_use[s]  = 0;
+        empanel_prefetch_drop(layer, s);
         if (pool->policy == EMPANEL_POLICY_GLRU) {
             empanel_lru_unlink(pool, layer->lru_base + s);
             pool->resident_bytes -= layer->expert_bytes;
@@ -629,9 +629,26 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
         layer->victims[n]    = s;
         n++;
     }
+    // earlier in the preload order, evicted later: the most used of a profile last of all (the
+    // clock values call + 1 .. call + n are taken for it; every later use is more recent)
+    for (int32_t r = 0; r < n; r++) {
+        layer->last_use[layer->victims[r]] = call + (uint64_t) (n - r);
+    }
+    pool->call += (uint64_t) n;
     sort_file_order(layer, n);
     if (n > 0 && fill_slots(pool, layer, n) != 0) {
         return -1;
+    }
+    if (pool->policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
+        for (int32_t i = 0; i < n; i++) {
+            layer->order_key[i] = (layer->last_use[layer->victims[i]] - call) << 32 | (uint32_t) layer->victims[i];
+        }
+        qsort(layer->order_key, (size_t) n, sizeof(uint64_t), compare_uint64);
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t e = layer->lru_base + (int32_t) (layer->order_key[i] & 0xffffffffu);
+            empanel_lru_unlink(pool, e);
+            empanel_lru_push_recent(pool, e);
+        }
     }
     layer->stats.preloaded += (uint64_t) n;
     return n;
@@ -780,19 +797,25 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
         if (staged_per_expert * (uint64_t) (n_read + 1) > 4 * (uint64_t) EMPANEL_STAGING) {
             break; // staging for read-ahead stays bounded (32 MiB)
         }
-        const int32_t s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->wave_mark, stamp);
+        int32_t s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->wave_mark, stamp);
+        if (s >= 0 && pool->policy == EMPANEL_POLICY_GLRU && layer->expert_in[s] < 0 &&
+            pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
+            // no room in the budget without evicting another layer's expert: the layer's own
+            // occupied slots only
+            for (int32_t t = 0; t < layer->n_slots; t++) {
+                if (layer->expert_in[t] < 0) {
+                    layer->wave_mark[t] = stamp;
+                }
+            }
+            s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->wave_mark, stamp);
+        }
         if (s < 0) {
             break;
         }
-        if (pool->policy == EMPANEL_POLICY_GLRU && layer->expert_in[s] < 0 &&
-            pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
-            break; // no room in the budget without evicting another layer's expert
-        }
         place_expert(pool, layer, s, e, call);
-        layer->wave_mark[s]     = stamp;
-        layer->prefetch_mark[s] = layer->n_batches + 1;
-        layer->misses[n_read]   = e;
-        layer->victims[n_read]  = s;
+        layer->wave_mark[s]    = stamp;
+        layer->misses[n_read]  = e;
+        layer->victims[n_read] = s;
         n_read++;
     }
     if (n_read == 0) {
@@ -802,6 +825,9 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
     layer->prefetch_open = 1; // a failed read empties the slots again (reconcile)
     if (empanel_files_check(pool) == 0 && empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n_read) == 0) {
         layer->stats.prefetched += (uint64_t) n_read;
+        for (int32_t i = 0; i < n_read; i++) {
+            layer->prefetch_mark[layer->victims[i]] = 1;
+        }
     }
 }
 
@@ -827,8 +853,8 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
             }
         }
     }
-    layer->guess_live    = 1;
-    layer->stats.guessed += (uint64_t) n;
+    layer->guess_live = 1;
+    layer->guess_n    = n;
     if (pool->tracing) { // [-(il + 1), n_tokens, n_used, ids]: the lab replays guess-ordered eviction
         trace_call(pool, -(il + 1), expert_ids, ids_row_stride, n_used, n_tokens);
     }

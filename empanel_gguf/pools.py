@@ -266,6 +266,15 @@ class LabPool:
     def resident_bytes(self):
         return self.n.sidecar.empanel_pool_resident_bytes(self.pool)
 
+    def preload(self, orders=None):
+        """Fill the empty slots as a load's preload does; orders: {layer: experts first} (a
+        profile's order), else lowest ids. Returns the experts placed."""
+        for layer, order in (orders or {}).items():
+            buf = self.n.ffi.new("int32_t[]", list(order))
+            if self.n.sidecar.empanel_pool_preload_order(self.pool, layer, buf, self.n.ffi.NULL, len(order)) != 0:
+                raise ValueError(f"empanel lab: layer {layer}: preload order refused")
+        return self.n.sidecar.empanel_pool_preload(self.pool)
+
     def stats(self, layer):
         out = self.n.ffi.new("struct empanel_layer_stats *")
         self.n.sidecar.empanel_stats_get(self.pool, layer, out)

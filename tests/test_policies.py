@@ -315,3 +315,14 @@ def test_a_guessed_expert_is_evicted_last():
     assert plain.access(0, [2]) == guessed.access(0, [2]) == (0, 1)
     assert plain.resident(0) == {1, 2} and guessed.resident(0) == {0, 2}
     assert guessed.access(0, [3]) == (0, 1) and guessed.resident(0) == {2, 3}  # 0 was least recent
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu-decay", "g-lru"])
+def test_preload_order_keeps_the_first_longest(policy):
+    # a profile's order [5, 3, 1] (most used first) into 3 slots: the first miss evicts 1, the next 3
+    from empanel_gguf.pools import LabPool
+
+    lab = LabPool(policy, [3], 8, [100], budget_bytes=300)
+    assert lab.preload({0: [5, 3, 1]}) == 3 and set(lab.slot_table(0)) == {5, 3, 1}
+    assert lab.access(0, [7]) == (0, 1) and set(lab.slot_table(0)) == {5, 3, 7}
+    assert lab.access(0, [6]) == (0, 1) and set(lab.slot_table(0)) == {5, 7, 6}

@@ -301,3 +301,15 @@ def test_guess_off_makes_no_guesses(fixture_dir):
     ref_logits, ref_tokens, _, _ = baseline(path, 9)
     assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
     assert stats["total"]["guessed"] == 0 and stats["total"]["guess_recall"] == 0.0
+
+
+def test_glru_reads_ahead_with_a_full_budget(fixture_dir):
+    """g-lru with a full budget reads ahead into the guessed layer's own least recent slots (no
+    other layer's expert goes): read-ahead keeps running for the whole decode, logits exact."""
+    path = fixtures.write_fixture("qwen3moe-f32", fixture_dir)
+    logits, tokens, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=32, moe_policy="g-lru", moe_prefetch=1)
+    ref_logits, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=32)
+    assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
+    t = stats["total"]
+    # a budget of 4 experts per layer is full after the prompt; most decoded tokens still read ahead
+    assert t["prefetched"] >= 32 and t["prefetch_used"] > 0
