@@ -3,6 +3,20 @@
 
 import os
 import tempfile
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
 
 _PROFILES = tempfile.mkdtemp(prefix="empanel-test-profiles-")
 os.environ["EMPANEL_PROFILE_DIR"] = _PROFILES  # read by empanel_gguf.profile.cache_dir, children too
+
+
+def child_env(drop=(), **extra):
+    """The environment for a child process of a test: this checkout on PYTHONPATH, none of the
+    user's LLAMA_ARG_* / EMPANEL_* settings (the session's profile cache kept), minus `drop`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k != "LLAMA_CPP_LIB_PATH" and k not in drop}
+    env["EMPANEL_PROFILE_DIR"] = _PROFILES
+    env["PYTHONPATH"] = str(_REPO)
+    env.update(extra)
+    return env

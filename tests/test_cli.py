@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 from empanel_gguf import Llama, fixtures, estimate, guard, host_memory, plan
 from empanel_gguf.index import load_index
@@ -30,11 +31,7 @@ def model(tmp_path_factory):
 
 
 def cli_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k not in ("LLAMA_CPP_LIB_PATH",)}
-    env["PYTHONPATH"] = str(REPO)
-    env.update(extra)
-    return env
+    return child_env(**extra)
 
 
 def cli(*args, env=None, stdin=None, cwd=REPO, prefix=None):
@@ -73,6 +70,21 @@ def test_run_prompt_streams_with_report(model):
     finally:
         llm.close()
     assert proc.stdout == "Hello" + want + "\n"
+
+
+def test_run_decode_options_keep_the_text(model, tmp_path):
+    # read-ahead, a resident first layer and a profile change reads, never the text
+    plain = cli("run", model, "-p", "Hello", "-n", 8, "--temp", 0, "--moe-slots", 8)
+    profile = tmp_path / "profile.json"
+    assert cli("calibrate", model, "-n", 32, "-o", profile).returncode == 0
+    tuned = cli("run", model, "-p", "Hello", "-n", 8, "--temp", 0, "--moe-slots", 8, "--moe-prefetch", 1,
+                "--moe-resident-layers", 1, "--moe-profile", profile)
+    assert tuned.returncode == 0, tuned.stderr
+    assert tuned.stdout == plain.stdout
+    rep = report(tuned)
+    assert re.search(r"guess +recall [\d.]+% of the routed experts; read ahead \d+ experts", rep), rep
+    assert re.search(r"preload +\d+ experts read into the pools at load", rep), rep  # the profile's
+    assert "the first 1 MoE layers keep" in tuned.stderr
 
 
 def test_run_env_defaults_and_command_line_wins(model):

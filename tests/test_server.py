@@ -8,7 +8,6 @@ always killed. Needs llama_cpp.server's extras (`pip install "empanel-gguf[serve
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 for _name in ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings"):
     pytest.importorskip(_name, reason='llama_cpp.server extras missing: pip install "empanel-gguf[server]"')
@@ -44,11 +44,7 @@ def free_port():
 
 
 def server_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k not in ("MODEL", "CONFIG_FILE", "HOST", "PORT")}
-    env["PYTHONPATH"] = str(REPO)
-    env.update(extra)
-    return env
+    return child_env(drop=("MODEL", "CONFIG_FILE", "HOST", "PORT"), **extra)
 
 
 def get(url, timeout=5):

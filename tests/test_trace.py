@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import child_env
 
 from empanel_gguf import Llama, fixtures
 from empanel_gguf.replay import replay
@@ -249,11 +250,8 @@ def test_overhead_measurement_runs_the_same_evaluations(model):
 
 
 def cli(*args):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k != "LLAMA_CPP_LIB_PATH"}
-    env["PYTHONPATH"] = str(REPO)
     return subprocess.run([sys.executable, "-m", "empanel_gguf"] + [str(a) for a in args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=child_env(), capture_output=True, text=True, timeout=120)
 
 
 def test_trace_then_replay_commands(model, tmp_path):
