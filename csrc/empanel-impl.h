@@ -145,6 +145,7 @@ struct empanel_pool {
     int32_t   policy;       // enum empanel_policy
     int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read
     int32_t   prefetch;     // paged layers ahead whose guessed misses are read
+    float     subst_ratio;  // routing substitution: a stand-in's share of the missing expert's score; 0: off
     struct empanel_reader reader;
 
     // scratch of one remap: jobs, chunks, staging for non-direct pools

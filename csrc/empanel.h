@@ -42,6 +42,8 @@ struct empanel_pool_params {
     uint64_t budget_bytes; // EMPANEL_POLICY_GLRU: bytes of resident experts over all layers
     int32_t  prefetch;     // paged layers ahead whose guessed misses are read (empanel_guess); 0: guesses
                            // only order eviction
+    float    subst_ratio;  // routing substitution (empanel_subst): a resident stand-in needs at least this
+                           // share of the missing expert's score; 0: off
 };
 
 // eviction policies (struct empanel_pool_params.policy); Python reads these names through cffi
@@ -81,6 +83,7 @@ struct empanel_layer_stats {
     uint64_t prefetched;   // experts read ahead from a guess (in bytes_read, not in misses)
     uint64_t prefetch_used;   // of those, the ones their micro-batch routed to
     uint64_t prefetch_wasted; // bytes read ahead for experts their micro-batch did not route to
+    uint64_t substituted;  // (token, expert) pairs whose expert was not resident and got a stand-in
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };
@@ -140,6 +143,23 @@ EMPANEL_API int32_t empanel_guess(
         const int32_t * expert_ids,
         int64_t         ids_row_stride,
         int32_t         n_used,
+        int32_t         n_tokens);
+
+// the routing substitution hook (llama_empanel_subst_fn): for each token, a routed expert that is
+// not resident is replaced in expert_ids by the first resident expert among candidates (the
+// router's next choices, best first) not already routed for the token whose score is at least
+// params.subst_ratio x the missing one's. Outputs change: opt-in only. Always returns 0.
+EMPANEL_API int32_t empanel_subst(
+        void          * pool,
+        int32_t         il,
+        int32_t       * expert_ids,
+        int64_t         ids_row_stride,
+        int32_t         n_used,
+        const int32_t * candidates,
+        int64_t         cand_row_stride,
+        int32_t         n_cand,
+        const float   * scores,
+        int64_t         scores_row_stride,
         int32_t         n_tokens);
 
 // what the pool decided that a user should know (e.g. "O_DIRECT refused, buffered reads"), or ""

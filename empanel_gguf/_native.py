@@ -148,6 +148,8 @@ typedef int32_t (*llama_empanel_remap_fn)(void *, int32_t, const void *, int32_t
 void    llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empanel_remap_fn remap, void * user);
 typedef int32_t (*llama_empanel_guess_fn)(void *, int32_t, int32_t, const int32_t *, int64_t, int32_t, int32_t);
 void    llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth);
+typedef int32_t (*llama_empanel_subst_fn)(void *, int32_t, int32_t *, int64_t, int32_t, const int32_t *, int64_t, int32_t, const float *, int64_t, int32_t);
+void    llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt);
 void    llama_empanel_clear_plan(void);
 int32_t llama_empanel_n_pools(const void * model);
 void *  llama_empanel_pool(const void * model, const char * name);

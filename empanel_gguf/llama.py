@@ -57,6 +57,10 @@ class Llama(llama_cpp.Llama):
         moe_prefetch: N > 0 also reads the guessed experts that are not resident while the
             layer N or fewer layers before computes (guesses made N layers ahead; one batch of
             reads in flight, demand reads first). 0 (default): no read-ahead.
+        moe_subst: routing substitution, opt-in and inexact: a ratio r in (0, 1]. When a routed expert
+            is not resident, the best resident expert among the router's next top-k choices
+            stands in if its score is at least r x the missing one's, with its own routing weight.
+            Saves reads, changes outputs (measure with empanel-gguf kl). None (default): exact.
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
@@ -66,7 +70,8 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
-                 moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, **kwargs):
+                 moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
+                 **kwargs):
         self._experts = None
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)
         self.moe_policy = moe_policy
@@ -89,7 +94,10 @@ class Llama(llama_cpp.Llama):
 
         experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
                               chunk_kb=moe_chunk_kb, direct_io=moe_direct_io, trace=moe_trace,
-                              guess=moe_guess, prefetch=moe_prefetch)
+                              guess=moe_guess, prefetch=moe_prefetch, subst=moe_subst)
+        if experts.subst:
+            _notice(verbose, f"routing substitution on (moe_subst={moe_subst}): outputs are APPROXIMATE, "
+                             "not those of the model fully in memory")
         if experts.notice():
             _notice(verbose, experts.notice())
         experts.set_plan()

@@ -19,7 +19,7 @@ class ExpertPools:
     """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
 
     def __init__(self, index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True,
-                 trace=False, guess=True, prefetch=0):
+                 trace=False, guess=True, prefetch=0, subst=None):
         self.index = index
         self.plan = plan
         self.n = native()
@@ -53,6 +53,11 @@ class ExpertPools:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"moe_prefetch={prefetch!r}: give a number of layers ahead (0 = off)")
         params.prefetch = prefetch
+        if subst is not None and (isinstance(subst, bool) or not isinstance(subst, (int, float)) or not 0 < subst <= 1):
+            raise ValueError(f"moe_subst={subst!r}: a ratio in (0, 1] (0.5: a stand-in needs half the missing "
+                             "expert's score), or None")
+        params.subst_ratio = float(subst or 0.0)
+        self.subst = subst if plan is not None else None
         # guesses: one layer ahead to order eviction, as many as prefetch reads
         self.guess_depth = max(1, prefetch) if (guess or prefetch) and plan is not None else 0
         self.n_slots = ffi.new("int32_t[]", n_slots)
@@ -73,6 +78,8 @@ class ExpertPools:
                                             self.n.sidecar.empanel_remap, self.pool)
         if self.guess_depth:
             self.n.llama.llama_empanel_set_guess(self.n.sidecar.empanel_guess, self.guess_depth)
+        if self.subst:  # the router's next top-k choices are the candidates
+            self.n.llama.llama_empanel_set_subst(self.n.sidecar.empanel_subst, self.index.n_expert_used)
 
     def clear_plan(self):
         self.n.llama.llama_empanel_clear_plan()
@@ -114,7 +121,7 @@ class ExpertPools:
         total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
                                "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
                                "preloaded", "n_slots", "n_resident", "guessed", "guess_routed", "guess_hits",
-                               "prefetched", "prefetch_used", "prefetch_wasted"), 0)
+                               "prefetched", "prefetch_used", "prefetch_wasted", "substituted"), 0)
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
@@ -129,7 +136,7 @@ class ExpertPools:
                 "n_slots": out.n_slots, "n_resident": out.n_resident,
                 "guessed": out.guessed, "guess_routed": out.guess_routed, "guess_hits": out.guess_hits,
                 "prefetched": out.prefetched, "prefetch_used": out.prefetch_used,
-                "prefetch_wasted": out.prefetch_wasted,
+                "prefetch_wasted": out.prefetch_wasted, "substituted": out.substituted,
             }
             row["hit_rate"] = _rate(row["hits"], row["misses"])
             layers[il] = row

@@ -70,6 +70,10 @@ class EmpanelModelSettings(ModelSettings):
     moe_prefetch: int = Field(
         default=0, description="Read the gate-ahead guess's experts that are not resident, N layers ahead "
                                "(0: the guess only orders eviction).")
+    moe_subst: Optional[float] = Field(
+        default=None, description="Routing substitution, INEXACT: a resident expert among the router's next "
+                                  "choices stands in for a missing one if its score is at least this share of "
+                                  "the missing one's. Unset: exact.")
     moe_profile: Optional[str] = Field(
         default="auto", description="Warm start from a calibration profile (empanel-gguf calibrate): auto "
                                     "uses this model file's saved one if there is one; none starts cold.")
@@ -183,6 +187,9 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
                              force=getattr(settings, "force", False), what=f"loading {alias}")
             for text in load.report(index):
                 _log(text)
+            if getattr(settings, "moe_subst", None) is not None and load.moe_slots is not None:
+                _log(f"{alias}: routing substitution on (moe_subst={settings.moe_subst}): outputs are "
+                     "APPROXIMATE, not those of the model fully in memory")
             moe_slots = load.moe_slots
             info = {"moe_slots": moe_slots, "plan": load.plan, "index": index, "estimate": load.estimate,
                     "floor": load.floor}
@@ -197,6 +204,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             moe_slots, moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
             moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
             moe_prefetch=getattr(settings, "moe_prefetch", 0),
+            moe_subst=getattr(settings, "moe_subst", None),
             moe_profile=None if str(getattr(settings, "moe_profile", "auto")).lower() == "none"
             else getattr(settings, "moe_profile", "auto")))
         try:

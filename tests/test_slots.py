@@ -313,3 +313,24 @@ def test_glru_reads_ahead_with_a_full_budget(fixture_dir):
     t = stats["total"]
     # a budget of 4 experts per layer is full after the prompt; most decoded tokens still read ahead
     assert t["prefetched"] >= 32 and t["prefetch_used"] > 0
+
+
+def test_substitution_changes_outputs_only_when_on(fixture_dir):
+    """moe_subst is opt-in and inexact: on, stand-ins are used and the logits move; the same
+    run without it is stock's bit for bit. `kl` reports 0 when it is off."""
+    from empanel_gguf.commands.kl import compare
+
+    path = fixtures.write_fixture("qwen3moe-f32", fixture_dir)
+    exact, exact_tokens, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=24)
+    ref, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=24)
+    assert np.array_equal(exact, ref) and stats["total"]["substituted"] == 0
+    approx, _, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=24, moe_subst=0.3)
+    assert stats["total"]["substituted"] > 0 and not np.array_equal(approx, ref)
+    text = LONG_TEXT.decode()
+    off = compare(path, text, 64, 4, None)
+    assert off["kl_mean"] == 0.0 and off["top1_agree"] == 1.0 and off["substituted"] == 0
+    on = compare(path, text, 64, 4, 0.3)
+    assert on["kl_mean"] > 0 and on["substituted"] > 0 and on["bytes_subst"] < on["bytes_exact"]
+    for bad in (0, 1.5, True, "x"):
+        with pytest.raises(ValueError, match="moe_subst"):
+            Llama(str(path), moe_slots=4, moe_subst=bad, verbose=False)

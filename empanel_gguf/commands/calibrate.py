@@ -8,20 +8,16 @@ lowest ids. Without -o the profile goes to the cache, where "auto" finds it. Out
 only which experts are resident before the first token. Exit status: 0 saved, 1 error.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
+from .options import add_text_args, command_parser
+
 
 def setup_arg_parser():
-    parser = argparse.ArgumentParser(
-        prog="empanel-gguf calibrate", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="GGUF model (first shard of a split)")
-    parser.add_argument("-f", "--file", help="text to route (default: the built-in calibration text)")
-    parser.add_argument("-n", "--n-tokens", type=int, default=2048, help="tokens of it to route (default: 2048)")
+    parser = command_parser("calibrate", __doc__)
+    add_text_args(parser, "route", 2048)
     parser.add_argument("-o", "--output", help="profile to write (default: the cache, for moe_profile=auto)")
-    parser.add_argument("-t", "--threads", type=int, default=None, help="threads (default: llama-cpp-python's)")
     return parser
 
 

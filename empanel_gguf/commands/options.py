@@ -30,6 +30,22 @@ def default_model_path():
     return fixtures.write_fixture(DEFAULT_FIXTURE, Path(base) / "empanel-gguf" / "models")
 
 
+def command_parser(prog, doc):
+    """An ArgumentParser for `empanel-gguf <prog>` from its module docstring: the first paragraph
+    after the usage line is the description, the rest the epilog."""
+    return argparse.ArgumentParser(
+        prog=f"empanel-gguf {prog}", description=doc.split("\n\n")[0].split(": ", 1)[1],
+        epilog="\n\n".join(doc.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_text_args(parser, what, n_tokens, more=""):
+    """MODEL, -f TEXT and -n N of the commands that run a text through a model."""
+    parser.add_argument("model", help="GGUF model (first shard of a split)")
+    parser.add_argument("-f", "--file", help=f"text to {what} (default: the built-in calibration text)")
+    parser.add_argument("-n", "--n-tokens", type=int, default=n_tokens, help=f"tokens of it (default: {n_tokens}{more})")
+    parser.add_argument("-t", "--threads", type=int, default=None, help="threads (default: llama-cpp-python's)")
+
+
 # ---------------------------------------------------------------------------------------------
 # options: llama.cpp's names, each with an LLAMA_ARG_* environment variable
 
@@ -140,6 +156,10 @@ def add_moe_args(parser, moe_slots_default="auto"):
                  "evicted last (no reads)")
     env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=int, default=0, metavar="N",
             help="also read the guessed experts that are not resident, N layers ahead (0: off)")
+    env_arg(parser, "--moe-subst", env="LLAMA_ARG_MOE_SUBST", type=float, default=None, metavar="R",
+            help="routing substitution, INEXACT: a resident expert among the router's next choices stands "
+                 "in for a missing one if its score is at least R x the missing one's (empanel-gguf kl "
+                 "measures the cost)")
     env_arg(parser, "--moe-profile", env="LLAMA_ARG_MOE_PROFILE", default="auto", metavar="auto|PATH|none",
             help="warm start from a calibration profile (empanel-gguf calibrate): auto uses this model "
                  "file's saved one if there is one")
@@ -157,7 +177,7 @@ def moe_kwargs(args):
     return dict(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
                 moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
                 moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
-                moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch,
+                moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
                 moe_profile=None if str(args.moe_profile).lower() in ("none", "off", "") else args.moe_profile)
 
 
@@ -171,6 +191,9 @@ def plan_from_args(index, args, moe_slots, kwargs):
                      what=f"loading {Path(index.path).name}")
     for line in load.report(index):
         note(line)
+    if args.moe_subst is not None and load.moe_slots is not None:
+        note(f"routing substitution on (--moe-subst {args.moe_subst}): outputs are APPROXIMATE, not those "
+             "of the model fully in memory")
     return load
 
 

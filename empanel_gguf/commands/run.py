@@ -163,6 +163,8 @@ def format_report(name, index, plan, stats, timings, rss):
         lines.append(f"  experts   hit rate {100 * t['hit_rate']:.1f}% ({t['hits']} hits, "
                      f"{t['misses']} misses): {format_bytes(t['bytes_read'])} read in "
                      f"{t['read_s']:.4f} s, {speed}")
+        if t.get("substituted"):
+            lines.append(f"  subst     {t['substituted']} routed experts stood in for (outputs approximate)")
         if t.get("preloaded"):
             lines.append(f"  preload   {t['preloaded']} experts read into the pools at load")
         if t.get("guess_routed"):
