@@ -390,6 +390,79 @@ def stats_router(sampler=None):
 # ---------------------------------------------------------------------------------------------
 
 
+# the request models of llama_cpp.server's POST routes, by path
+_REQUEST_MODELS = {
+    "/v1/completions": "CreateCompletionRequest",
+    "/v1/engines/copilot-codex/completions": "CreateCompletionRequest",
+    "/v1/chat/completions": "CreateChatCompletionRequest",
+    "/v1/embeddings": "CreateEmbeddingRequest",
+}
+
+
+class BadRequestGuard:
+    """ASGI middleware: a POST to an OpenAI route whose body is not JSON, or not a valid request,
+    is the client's error: 400 with what is wrong (llama_cpp.server answers both with 500). The
+    body is read once and handed on unchanged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _REQUEST_MODELS:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, receive, send)  # a disconnect: let the app see it
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        problem = _request_problem(scope["path"], body)
+        if problem is not None:
+            import json as _json
+
+            payload = _json.dumps({"error": {"message": problem, "type": "invalid_request_error",
+                                             "param": None, "code": None}}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _request_problem(path, body):
+    """What is wrong with a POST body for `path`, or None."""
+    import json as _json
+
+    from llama_cpp.server import types
+    from pydantic import ValidationError
+
+    try:
+        data = _json.loads(body or b"null")
+    except ValueError as e:
+        return f"the request body is not valid JSON: {e}"
+    if not isinstance(data, dict):
+        return "the request body must be a JSON object"
+    try:
+        getattr(types, _REQUEST_MODELS[path])(**data)
+    except ValidationError as e:
+        errors = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:5])
+        return f"invalid request: {errors}"
+    except TypeError as e:
+        return f"invalid request: {e}"
+    return None
+
+
 def create_app(server_settings: ServerSettings, model_settings: List[ModelSettings]):
     """llama_cpp.server's app, with our proxy as its model loader and our stats routes."""
     saved_proxy, saved_config = _app.LlamaProxy, os.environ.pop("CONFIG_FILE", None)
@@ -400,6 +473,7 @@ def create_app(server_settings: ServerSettings, model_settings: List[ModelSettin
         _app.LlamaProxy = saved_proxy
         if saved_config is not None:
             os.environ["CONFIG_FILE"] = saved_config  # create_app would re-read it with its own settings
+    app.add_middleware(BadRequestGuard)  # malformed JSON and bad parameters: 400, not 500
     sampler = RateSampler(lambda: _app._llama_proxy).start()
     app.include_router(stats_router(sampler))
     app.state.empanel_sampler = sampler

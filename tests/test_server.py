@@ -216,3 +216,29 @@ def test_serve_refuses_what_does_not_fit(model):
         timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert "refused" in proc.stderr and "--force" in proc.stderr
+
+
+def post_raw(url, body, timeout=10):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "Hello", "max_tokens": 4', b"not json at all",
+                                  b'{"prompt": "Hello", "max_tokens": "four"}', b'{"messages": 3}'],
+                         ids=["cut-short", "not-json", "bad-type", "bad-messages"])
+def test_bad_requests_get_400_with_a_message(server, body):
+    """Malformed JSON and bad parameters are the client's error: 400 and what is wrong, not 500;
+    the server goes on serving."""
+    base, _ = server
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    status, text = post_raw(base + path, body)
+    assert status == 400, (status, text)
+    assert "error" in json.loads(text) and json.loads(text)["error"]["message"]
+    assert get(f"{base}/v1/models")[0] == 200
