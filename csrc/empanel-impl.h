@@ -221,6 +221,27 @@ void    empanel_staging_release(void * buffer);
 // (CPU_REPACK) or sent to the device; 0 on success
 int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);
 
+// remap.c: the remap's steps that preload.c and guess.c share
+// the slot in [begin, end) to evict, among those whose mark is not `taken` (-1 if none)
+int32_t empanel_pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
+                            const uint64_t * mark, uint64_t taken);
+// slot s is used by `call` (LRU clock, LFU count)
+void    empanel_note_use(struct empanel_layer * layer, int32_t s, uint64_t call);
+// expert e takes slot s (claimed for `call`): the tables say it is there from now on
+void    empanel_place_expert(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call);
+// misses[0, n) -> victims[0, n) reordered by expert id (reads in file order)
+void    empanel_sort_file_order(struct empanel_layer * layer, int32_t n);
+// read misses[0, n) into the claimed, empty slots victims[0, n) and make them resident; 0 or -1
+int     empanel_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);
+// append a routing record [il, n_tokens, n_used, ids] to the trace; 0 or -1
+int     empanel_trace_call(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
+                           int64_t ids_row_stride, int32_t n_used, int32_t n_tokens);
+int     empanel_compare_uint64(const void * a, const void * b);
+
+// guess.c: the live guess of a layer is spent by the remap of its n distinct experts (in
+// layer->distinct) for `call`: recall and read-ahead accounted
+void    empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call);
+
 // reader.c
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);
 void     empanel_files_close (struct empanel_pool * pool);

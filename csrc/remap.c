@@ -3,7 +3,8 @@
 // A remap call handles one micro-batch of one layer: hits keep their slots, misses take the slots
 // the policy gives up (none that this micro-batch uses) and are read from the file. A micro-batch
 // that routes to more distinct experts than the pool holds runs in waves (plan_waves), one call
-// per wave and pool tensor (remap_wave_locked). Preload and error recovery change the same tables.
+// per wave and pool tensor (remap_wave_locked). Error recovery changes the same tables; preload
+// (preload.c) and the gate-ahead guess (guess.c) use the helpers declared in empanel-impl.h.
 
 #include "empanel.h"
 #include "empanel-impl.h"
@@ -24,7 +25,7 @@ static int slot_guessed(const struct empanel_layer * layer, int32_t s) {
 // slots (last_use 0, uses 0) go first under every policy; experts a live guess named go last.
 //   LRU:       least recently used
 //   LFU_DECAY: fewest uses (counts halve every n_slots micro-batches of the layer), then least recent
-static int32_t pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
+int32_t empanel_pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
                            const uint64_t * mark, uint64_t taken) {
     int32_t  victim  = -1;
     int      guessed = 2;
@@ -46,31 +47,10 @@ static int32_t pick_victim(const struct empanel_layer * layer, int32_t policy, i
     return victim;
 }
 
-static void note_use(struct empanel_layer * layer, int32_t s, uint64_t call) {
+void empanel_note_use(struct empanel_layer * layer, int32_t s, uint64_t call) {
     layer->call_mark[s] = call;
     layer->last_use[s]  = call;
     layer->uses[s]     += layer->uses[s] < UINT32_MAX;
-}
-
-// the guess for this micro-batch (its n distinct experts in layer->distinct, used by `call`) is
-// spent: how many routed experts it named, and which read-ahead experts were routed
-static void close_guess(struct empanel_layer * layer, int32_t n, uint64_t call) {
-    if (layer->guess_live) {
-        layer->stats.guessed      += (uint64_t) layer->guess_n;
-        layer->stats.guess_routed += (uint64_t) n;
-        for (int32_t i = 0; i < n; i++) {
-            layer->stats.guess_hits += layer->guess_mark[layer->distinct[i]] == layer->guess_stamp;
-        }
-        layer->guess_live = 0;
-    }
-    // read-ahead slots still holding their expert (others were dropped when their slot was taken)
-    for (int32_t s = 0; s < layer->n_slots; s++) {
-        if (layer->prefetch_mark[s] != 0 && layer->call_mark[s] == call) {
-            layer->stats.prefetch_used++;
-            layer->prefetch_mark[s] = 0;
-        }
-        empanel_prefetch_drop(layer, s); // not routed: wasted
-    }
 }
 
 // one micro-batch done: the decay clock ticks (the layer's own, not its statistics)
@@ -85,7 +65,7 @@ static void end_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     }
 }
 
-static int trace_call(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
+int empanel_trace_call(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
                       int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
     const uint64_t need = pool->trace_len + 3 + (uint64_t) n_tokens * n_used;
     if (need > pool->trace_cap) {
@@ -115,7 +95,7 @@ static int trace_call(struct empanel_pool * pool, int32_t il, const int32_t * ex
 
 // read experts layer->misses[0, n) into the claimed, empty slots layer->victims[0, n) and make
 // them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
-static int fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+int empanel_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
     if (!pool->lab && empanel_read_experts(pool, layer, layer->misses, layer->victims, n) != 0) {
         if (pool->policy == EMPANEL_POLICY_GLRU) {
             pool->resident_bytes -= (uint64_t) n * layer->expert_bytes;
@@ -169,7 +149,7 @@ static int32_t collect_distinct(struct empanel_pool * pool, struct empanel_layer
 
 // a hit: the expert stays where it is, and is used now
 static void use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
-    note_use(layer, s, call);
+    empanel_note_use(layer, s, call);
     layer->stats.hits++;
     if (pool->policy == EMPANEL_POLICY_GLRU) {
         empanel_lru_unlink(pool, layer->lru_base + s);
@@ -193,7 +173,7 @@ static void claim_slot(struct empanel_pool * pool, struct empanel_layer * layer,
     }
     layer->expert_in[s] = -1;
     layer->uses[s]      = 0;
-    note_use(layer, s, call);
+    empanel_note_use(layer, s, call);
 }
 
 static int compare_int32(const void * a, const void * b) {
@@ -202,7 +182,7 @@ static int compare_int32(const void * a, const void * b) {
     return (x > y) - (x < y);
 }
 
-static int compare_uint64(const void * a, const void * b) {
+int empanel_compare_uint64(const void * a, const void * b) {
     const uint64_t x = *(const uint64_t *) a;
     const uint64_t y = *(const uint64_t *) b;
     return (x > y) - (x < y);
@@ -210,7 +190,7 @@ static int compare_uint64(const void * a, const void * b) {
 
 // expert e takes slot s (claimed for `call`): the tables say it is there from now on, its bytes
 // come with the reads that follow
-static void place_expert(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call) {
+void empanel_place_expert(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call) {
     claim_slot(pool, layer, s, call);
     layer->expert_in[s] = e;
     layer->slot_of[e]   = s;
@@ -220,11 +200,11 @@ static void place_expert(struct empanel_pool * pool, struct empanel_layer * laye
 }
 
 // misses[0, n) -> victims[0, n) reordered by expert id: reads in file order
-static void sort_file_order(struct empanel_layer * layer, int32_t n) {
+void empanel_sort_file_order(struct empanel_layer * layer, int32_t n) {
     for (int32_t i = 0; i < n; i++) {
         layer->order_key[i] = (uint64_t) layer->misses[i] << 32 | (uint32_t) layer->victims[i];
     }
-    qsort(layer->order_key, (size_t) n, sizeof(uint64_t), compare_uint64);
+    qsort(layer->order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
     for (int32_t i = 0; i < n; i++) {
         layer->misses[i]  = (int32_t) (layer->order_key[i] >> 32);
         layer->victims[i] = (int32_t) (layer->order_key[i] & 0xffffffffu);
@@ -256,7 +236,7 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
     // victims first: every slot is empty until all misses are read (a failed read leaves no
     // slot claiming an expert it does not hold)
     for (int32_t i = 0; i < n_miss; i++) {
-        const int32_t s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->call_mark, call);
+        const int32_t s = empanel_pick_victim(layer, pool->policy, 0, layer->n_slots, layer->call_mark, call);
         if (s < 0) {
             empanel_set_error(pool,
                 "remap: layer %d: this micro-batch routes to more distinct experts than the %d slots "
@@ -266,7 +246,7 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
         claim_slot(pool, layer, s, call);
         layer->victims[i] = s;
     }
-    if (n_miss > 0 && fill_slots(pool, layer, n_miss) != 0) {
+    if (n_miss > 0 && empanel_fill_slots(pool, layer, n_miss) != 0) {
         return -1;
     }
     layer->stats.misses += (uint64_t) n_miss;
@@ -307,7 +287,7 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
         const int32_t e = layer->misses[i];
         layer->order_key[i] = (uint64_t) last_use[e] * (uint64_t) pool->n_expert + (uint64_t) e;
     }
-    qsort(layer->order_key, (size_t) n_miss, sizeof(uint64_t), compare_uint64);
+    qsort(layer->order_key, (size_t) n_miss, sizeof(uint64_t), empanel_compare_uint64);
     for (int32_t i = 0; i < n_miss; i++) {
         layer->misses[i] = (int32_t) (layer->order_key[i] % (uint64_t) pool->n_expert);
     }
@@ -338,9 +318,9 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
             }
         }
         for (; count < half_end[h] - half_begin[h] && next < n_miss; count++) {
-            const int32_t s = pick_victim(layer, pool->policy, half_begin[h], half_end[h], layer->wave_mark, stamp);
+            const int32_t s = empanel_pick_victim(layer, pool->policy, half_begin[h], half_end[h], layer->wave_mark, stamp);
             const int32_t e = layer->misses[next++];
-            place_expert(pool, layer, s, e, call);
+            empanel_place_expert(pool, layer, s, e, call);
             layer->plan_wave[e] = w;
             layer->plan_slot[e] = s;
             layer->wave_mark[s] = stamp;
@@ -390,7 +370,7 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         return -1;
     }
     const uint64_t call = ++pool->call;
-    if (pool->tracing && trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
+    if (pool->tracing && empanel_trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return -1;
     }
     if (layer->observe) {
@@ -408,7 +388,7 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
     if (n < 0 || resolve_one_wave(pool, layer, il, call, n) != 0) {
         return -1;
     }
-    close_guess(layer, n, call);
+    empanel_guess_close(layer, n, call);
     for (int32_t t = 0; t < n_tokens; t++) {
         const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
         for (int32_t j = 0; j < n_used; j++) {
@@ -503,7 +483,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
             reconcile(pool, layer);
         }
         const uint64_t call = ++pool->call;
-        if (pool->tracing && trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
+        if (pool->tracing && empanel_trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
             return -1;
         }
         if (keep_ids(pool, layer, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
@@ -535,7 +515,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
         } else if (plan_waves(pool, layer, il, call, n, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
             return -1;
         }
-        close_guess(layer, n, call);
+        empanel_guess_close(layer, n, call);
         end_batch(pool, layer, layer->plan_waves);
     }
 
@@ -583,142 +563,6 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
     }
     layer->plan_open = open;
     return 0;
-}
-
-// the next expert preload takes for a layer: from its preload order, then by id; -1 when none is
-// left. *cursor walks the order, then the ids (offset by the order's length); *uses gets the LFU
-// count it starts with
-static int32_t next_preload_expert(const struct empanel_pool * pool, const struct empanel_layer * layer, int32_t * cursor,
-                                   uint32_t * uses) {
-    while (*cursor < layer->n_preload_order + pool->n_expert) {
-        const int32_t i = (*cursor)++;
-        const int32_t e = i < layer->n_preload_order ? layer->preload_order[i] : i - layer->n_preload_order;
-        if (layer->slot_of[e] < 0 && layer->miss_mark[e] != pool->call) {
-            *uses = i < layer->n_preload_order && layer->preload_uses != NULL ? layer->preload_uses[i] : 1;
-            return e;
-        }
-    }
-    return -1;
-}
-
-// up to max_fill of one layer's empty slots, filled with the experts it lacks (its preload order
-// first, then the lowest ids), read in file order; the experts read
-static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * layer, int32_t max_fill) {
-    const uint64_t call = ++pool->call; // resident, least recent: the first victims of use
-    int32_t n      = 0;
-    int32_t cursor = 0;
-    for (int32_t s = 0; s < layer->n_slots && n < max_fill; s++) {
-        if (layer->expert_in[s] >= 0) {
-            continue;
-        }
-        uint32_t uses = 1;
-        const int32_t e = next_preload_expert(pool, layer, &cursor, &uses);
-        if (e < 0) {
-            break;
-        }
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            if (pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
-                break; // the budget is full: no eviction for a guess
-            }
-            pool->resident_bytes += layer->expert_bytes;
-        }
-        note_use(layer, s, call);
-        layer->uses[s]       = uses > 0 ? uses : 1;
-        layer->miss_mark[e]  = call; // taken: not chosen twice
-        layer->misses[n]     = e;
-        layer->victims[n]    = s;
-        n++;
-    }
-    // earlier in the preload order, evicted later: the most used of a profile last of all (the
-    // clock values call + 1 .. call + n are taken for it; every later use is more recent)
-    for (int32_t r = 0; r < n; r++) {
-        layer->last_use[layer->victims[r]] = call + (uint64_t) (n - r);
-    }
-    pool->call += (uint64_t) n;
-    sort_file_order(layer, n);
-    if (n > 0 && fill_slots(pool, layer, n) != 0) {
-        return -1;
-    }
-    if (pool->policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
-        for (int32_t i = 0; i < n; i++) {
-            layer->order_key[i] = (layer->last_use[layer->victims[i]] - call) << 32 | (uint32_t) layer->victims[i];
-        }
-        qsort(layer->order_key, (size_t) n, sizeof(uint64_t), compare_uint64);
-        for (int32_t i = 0; i < n; i++) {
-            const int32_t e = layer->lru_base + (int32_t) (layer->order_key[i] & 0xffffffffu);
-            empanel_lru_unlink(pool, e);
-            empanel_lru_push_recent(pool, e);
-        }
-    }
-    layer->stats.preloaded += (uint64_t) n;
-    return n;
-}
-
-int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
-                                   const uint32_t * uses, int32_t n) {
-    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots <= 0 || n < 0 || n > pool->n_expert) {
-        return -1;
-    }
-    for (int32_t i = 0; i < n; i++) {
-        if (experts[i] < 0 || experts[i] >= pool->n_expert) {
-            return -1;
-        }
-    }
-    pthread_mutex_lock(&pool->lock);
-    struct empanel_layer * layer = &pool->layers[il];
-    int32_t  * order  = n > 0 ? malloc(sizeof(int32_t) * (size_t) n) : NULL;
-    uint32_t * counts = n > 0 && uses != NULL ? malloc(sizeof(uint32_t) * (size_t) n) : NULL;
-    if ((n > 0 && order == NULL) || (n > 0 && uses != NULL && counts == NULL)) {
-        free(order);
-        free(counts);
-        pthread_mutex_unlock(&pool->lock);
-        return -1;
-    }
-    if (n > 0) {
-        memcpy(order, experts, sizeof(int32_t) * (size_t) n);
-    }
-    if (counts != NULL) {
-        memcpy(counts, uses, sizeof(uint32_t) * (size_t) n);
-    }
-    free(layer->preload_order);
-    free(layer->preload_uses);
-    layer->preload_order   = order;
-    layer->preload_uses    = counts;
-    layer->n_preload_order = n;
-    pthread_mutex_unlock(&pool->lock);
-    return 0;
-}
-
-int64_t empanel_pool_preload(struct empanel_pool * pool) {
-    pthread_mutex_lock(&pool->lock);
-    int64_t n_read = 0;
-    if (atomic_load(&pool->failed) || empanel_read_finish(pool) != 0 || empanel_files_check(pool) != 0) {
-        n_read = -1;
-    }
-    // g-lru: each layer its even share of the budget, not the first layers all of it
-    uint64_t per_layer_bytes = 0;
-    if (pool->policy == EMPANEL_POLICY_GLRU) {
-        int32_t n_paged = 0;
-        for (int32_t il = 0; il < pool->n_layer; il++) {
-            n_paged += pool->layers[il].n_slots > 0 && !pool->layers[il].observe;
-        }
-        per_layer_bytes = n_paged > 0 ? pool->budget_bytes / (uint64_t) n_paged : 0;
-    }
-    for (int32_t il = 0; il < pool->n_layer && n_read >= 0; il++) {
-        struct empanel_layer * layer = &pool->layers[il];
-        if (layer->n_slots == 0 || layer->observe) {
-            continue;
-        }
-        int32_t max_fill = layer->n_slots;
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            const uint64_t share = per_layer_bytes / layer->expert_bytes;
-            max_fill = share < (uint64_t) max_fill ? (int32_t) share : max_fill;
-        }
-        const int32_t n = preload_layer(pool, layer, max_fill);
-        n_read = n < 0 ? -1 : n_read + n;
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return n_read;
 }
 
 int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t wave, int32_t n_waves,
@@ -771,137 +615,3 @@ int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t
     return rc;
 }
 
-// read ahead the guessed experts of a layer that are not resident, into the slots the policy
-// gives up (never a guessed expert's); g-lru takes only room the budget has, evicting no other
-// layer's expert (that layer may be computing). The tables say where the experts will be; their
-// bytes land before the layer's next remap (it finishes the batch first).
-static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
-    const uint64_t stamp = ++layer->wave_stamp;
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t s = layer->slot_of[layer->distinct[i]];
-        if (s >= 0) {
-            layer->wave_mark[s] = stamp; // resident and guessed: kept
-        }
-    }
-    uint64_t staged_per_expert = 0;
-    for (int32_t t = 0; t < layer->n_tensors; t++) {
-        staged_per_expert += layer->tensors[t].direct ? 0 : layer->tensors[t].expert_size;
-    }
-    const uint64_t call = ++pool->call;
-    int32_t n_read = 0;
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t e = layer->distinct[i];
-        if (layer->slot_of[e] >= 0) {
-            continue;
-        }
-        if (staged_per_expert * (uint64_t) (n_read + 1) > 4 * (uint64_t) EMPANEL_STAGING) {
-            break; // staging for read-ahead stays bounded (32 MiB)
-        }
-        int32_t s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->wave_mark, stamp);
-        if (s >= 0 && pool->policy == EMPANEL_POLICY_GLRU && layer->expert_in[s] < 0 &&
-            pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
-            // no room in the budget without evicting another layer's expert: the layer's own
-            // occupied slots only
-            for (int32_t t = 0; t < layer->n_slots; t++) {
-                if (layer->expert_in[t] < 0) {
-                    layer->wave_mark[t] = stamp;
-                }
-            }
-            s = pick_victim(layer, pool->policy, 0, layer->n_slots, layer->wave_mark, stamp);
-        }
-        if (s < 0) {
-            break;
-        }
-        place_expert(pool, layer, s, e, call);
-        layer->wave_mark[s]    = stamp;
-        layer->misses[n_read]  = e;
-        layer->victims[n_read] = s;
-        n_read++;
-    }
-    if (n_read == 0) {
-        return;
-    }
-    sort_file_order(layer, n_read);
-    layer->prefetch_open = 1; // a failed read empties the slots again (reconcile)
-    if (empanel_files_check(pool) == 0 && empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n_read) == 0) {
-        layer->stats.prefetched += (uint64_t) n_read;
-        for (int32_t i = 0; i < n_read; i++) {
-            layer->prefetch_mark[layer->victims[i]] = 1;
-        }
-    }
-}
-
-int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t * expert_ids, int64_t ids_row_stride,
-                      int32_t n_used, int32_t n_tokens) {
-    struct empanel_pool * pool = user;
-    pthread_mutex_lock(&pool->lock);
-    struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
-    if (layer == NULL || layer->n_slots <= 0 || layer->observe || atomic_load(&pool->failed)) {
-        pthread_mutex_unlock(&pool->lock);
-        return 0;
-    }
-    // the guess's distinct experts, into layer->distinct (free between this layer's remaps)
-    const uint64_t stamp = ++layer->guess_stamp;
-    int32_t n = 0;
-    for (int32_t t = 0; t < n_tokens; t++) {
-        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
-        for (int32_t j = 0; j < n_used; j++) {
-            const int32_t e = row[j];
-            if (e >= 0 && e < pool->n_expert && layer->guess_mark[e] != stamp) {
-                layer->guess_mark[e] = stamp;
-                layer->distinct[n++] = e;
-            }
-        }
-    }
-    layer->guess_live = 1;
-    layer->guess_n    = n;
-    if (pool->tracing) { // [-(il + 1), n_tokens, n_used, ids]: the lab replays guess-ordered eviction
-        trace_call(pool, -(il + 1), expert_ids, ids_row_stride, n_used, n_tokens);
-    }
-    if (distance <= pool->prefetch && !pool->lab && !pool->inflight && !layer->plan_open && !layer->prefetch_open) {
-        prefetch_guess(pool, layer, n);
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return 0;
-}
-
-int32_t empanel_subst(void * user, int32_t il, int32_t * expert_ids, int64_t ids_row_stride, int32_t n_used,
-                      const int32_t * candidates, int64_t cand_row_stride, int32_t n_cand,
-                      const float * scores, int64_t scores_row_stride, int32_t n_tokens) {
-    struct empanel_pool * pool = user;
-    pthread_mutex_lock(&pool->lock);
-    struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
-    if (layer == NULL || layer->n_slots <= 0 || layer->observe || pool->subst_ratio <= 0 || atomic_load(&pool->failed)) {
-        pthread_mutex_unlock(&pool->lock);
-        return 0;
-    }
-    for (int32_t t = 0; t < n_tokens; t++) {
-        int32_t       * ids   = expert_ids + (int64_t) t * ids_row_stride;
-        const int32_t * cand  = candidates + (int64_t) t * cand_row_stride;
-        const float   * score = scores + (int64_t) t * scores_row_stride;
-        for (int32_t j = 0; j < n_used; j++) {
-            const int32_t e = ids[j];
-            if (e < 0 || e >= pool->n_expert || layer->slot_of[e] >= 0) {
-                continue; // resident: kept
-            }
-            for (int32_t c = 0; c < n_cand; c++) {
-                const int32_t alt = cand[c];
-                if (alt < 0 || alt >= pool->n_expert || layer->slot_of[alt] < 0 ||
-                    !(score[alt] >= pool->subst_ratio * score[e])) {
-                    continue;
-                }
-                int taken = 0;
-                for (int32_t k = 0; k < n_used && !taken; k++) {
-                    taken = ids[k] == alt;
-                }
-                if (!taken) {
-                    ids[j] = alt;
-                    layer->stats.substituted++;
-                    break;
-                }
-            }
-        }
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return 0;
-}

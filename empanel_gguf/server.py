@@ -22,6 +22,7 @@ sse-starlette, starlette-context, pydantic-settings, PyYAML).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import sys
 import threading
@@ -117,8 +118,6 @@ def load_config_file(path):
     """EmpanelConfigFileSettings from a JSON or YAML file."""
     text = Path(path).read_bytes()
     if str(path).endswith((".yaml", ".yml")):
-        import json
-
         import yaml
 
         return EmpanelConfigFileSettings.model_validate_json(json.dumps(yaml.safe_load(text)))
@@ -419,9 +418,7 @@ class BadRequestGuard:
             more = message.get("more_body", False)
         problem = _request_problem(scope["path"], body)
         if problem is not None:
-            import json as _json
-
-            payload = _json.dumps({"error": {"message": problem, "type": "invalid_request_error",
+            payload = json.dumps({"error": {"message": problem, "type": "invalid_request_error",
                                              "param": None, "code": None}}).encode()
             await send({"type": "http.response.start", "status": 400,
                         "headers": [(b"content-type", b"application/json"),
@@ -442,13 +439,11 @@ class BadRequestGuard:
 
 def _request_problem(path, body):
     """What is wrong with a POST body for `path`, or None."""
-    import json as _json
-
     from llama_cpp.server import types
     from pydantic import ValidationError
 
     try:
-        data = _json.loads(body or b"null")
+        data = json.loads(body or b"null")
     except ValueError as e:
         return f"the request body is not valid JSON: {e}"
     if not isinstance(data, dict):

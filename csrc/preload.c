@@ -1,0 +1,144 @@
+// Preload: the empty slots of every paged layer filled at load, in a profile's order or by
+// expert id, read in file order; the order's first stays resident longest.
+
+#include "empanel.h"
+#include "empanel-impl.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+// the next expert preload takes for a layer: from its preload order, then by id; -1 when none is
+// left. *cursor walks the order, then the ids (offset by the order's length); *uses gets the LFU
+// count it starts with
+static int32_t next_preload_expert(const struct empanel_pool * pool, const struct empanel_layer * layer, int32_t * cursor,
+                                   uint32_t * uses) {
+    while (*cursor < layer->n_preload_order + pool->n_expert) {
+        const int32_t i = (*cursor)++;
+        const int32_t e = i < layer->n_preload_order ? layer->preload_order[i] : i - layer->n_preload_order;
+        if (layer->slot_of[e] < 0 && layer->miss_mark[e] != pool->call) {
+            *uses = i < layer->n_preload_order && layer->preload_uses != NULL ? layer->preload_uses[i] : 1;
+            return e;
+        }
+    }
+    return -1;
+}
+
+// up to max_fill of one layer's empty slots, filled with the experts it lacks (its preload order
+// first, then the lowest ids), read in file order; the experts read
+static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * layer, int32_t max_fill) {
+    const uint64_t call = ++pool->call; // resident, least recent: the first victims of use
+    int32_t n      = 0;
+    int32_t cursor = 0;
+    for (int32_t s = 0; s < layer->n_slots && n < max_fill; s++) {
+        if (layer->expert_in[s] >= 0) {
+            continue;
+        }
+        uint32_t uses = 1;
+        const int32_t e = next_preload_expert(pool, layer, &cursor, &uses);
+        if (e < 0) {
+            break;
+        }
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            if (pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
+                break; // the budget is full: no eviction for a guess
+            }
+            pool->resident_bytes += layer->expert_bytes;
+        }
+        empanel_note_use(layer, s, call);
+        layer->uses[s]       = uses > 0 ? uses : 1;
+        layer->miss_mark[e]  = call; // taken: not chosen twice
+        layer->misses[n]     = e;
+        layer->victims[n]    = s;
+        n++;
+    }
+    // earlier in the preload order, evicted later: the most used of a profile last of all (the
+    // clock values call + 1 .. call + n are taken for it; every later use is more recent)
+    for (int32_t r = 0; r < n; r++) {
+        layer->last_use[layer->victims[r]] = call + (uint64_t) (n - r);
+    }
+    pool->call += (uint64_t) n;
+    empanel_sort_file_order(layer, n);
+    if (n > 0 && empanel_fill_slots(pool, layer, n) != 0) {
+        return -1;
+    }
+    if (pool->policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
+        for (int32_t i = 0; i < n; i++) {
+            layer->order_key[i] = (layer->last_use[layer->victims[i]] - call) << 32 | (uint32_t) layer->victims[i];
+        }
+        qsort(layer->order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t e = layer->lru_base + (int32_t) (layer->order_key[i] & 0xffffffffu);
+            empanel_lru_unlink(pool, e);
+            empanel_lru_push_recent(pool, e);
+        }
+    }
+    layer->stats.preloaded += (uint64_t) n;
+    return n;
+}
+
+int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
+                                   const uint32_t * uses, int32_t n) {
+    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots <= 0 || n < 0 || n > pool->n_expert) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] < 0 || experts[i] >= pool->n_expert) {
+            return -1;
+        }
+    }
+    pthread_mutex_lock(&pool->lock);
+    struct empanel_layer * layer = &pool->layers[il];
+    int32_t  * order  = n > 0 ? malloc(sizeof(int32_t) * (size_t) n) : NULL;
+    uint32_t * counts = n > 0 && uses != NULL ? malloc(sizeof(uint32_t) * (size_t) n) : NULL;
+    if ((n > 0 && order == NULL) || (n > 0 && uses != NULL && counts == NULL)) {
+        free(order);
+        free(counts);
+        pthread_mutex_unlock(&pool->lock);
+        return -1;
+    }
+    if (n > 0) {
+        memcpy(order, experts, sizeof(int32_t) * (size_t) n);
+    }
+    if (counts != NULL) {
+        memcpy(counts, uses, sizeof(uint32_t) * (size_t) n);
+    }
+    free(layer->preload_order);
+    free(layer->preload_uses);
+    layer->preload_order   = order;
+    layer->preload_uses    = counts;
+    layer->n_preload_order = n;
+    pthread_mutex_unlock(&pool->lock);
+    return 0;
+}
+
+int64_t empanel_pool_preload(struct empanel_pool * pool) {
+    pthread_mutex_lock(&pool->lock);
+    int64_t n_read = 0;
+    if (atomic_load(&pool->failed) || empanel_read_finish(pool) != 0 || empanel_files_check(pool) != 0) {
+        n_read = -1;
+    }
+    // g-lru: each layer its even share of the budget, not the first layers all of it
+    uint64_t per_layer_bytes = 0;
+    if (pool->policy == EMPANEL_POLICY_GLRU) {
+        int32_t n_paged = 0;
+        for (int32_t il = 0; il < pool->n_layer; il++) {
+            n_paged += pool->layers[il].n_slots > 0 && !pool->layers[il].observe;
+        }
+        per_layer_bytes = n_paged > 0 ? pool->budget_bytes / (uint64_t) n_paged : 0;
+    }
+    for (int32_t il = 0; il < pool->n_layer && n_read >= 0; il++) {
+        struct empanel_layer * layer = &pool->layers[il];
+        if (layer->n_slots == 0 || layer->observe) {
+            continue;
+        }
+        int32_t max_fill = layer->n_slots;
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            const uint64_t share = per_layer_bytes / layer->expert_bytes;
+            max_fill = share < (uint64_t) max_fill ? (int32_t) share : max_fill;
+        }
+        const int32_t n = preload_layer(pool, layer, max_fill);
+        n_read = n < 0 ? -1 : n_read + n;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return n_read;
+}
