@@ -84,6 +84,8 @@ struct empanel_file {
     int      fd_direct;     // O_DIRECT reads, or -1
     uint64_t size;          // bytes
     int64_t  mtime_ns;
+    int64_t  ctime_ns;      // inode change time: no user can set it
+    int      watch;         // inotify watch descriptor, or -1
 };
 
 // one expert tensor of one missing expert on its way into its slot
@@ -141,6 +143,9 @@ struct empanel_pool {
 
     int32_t n_files;
     struct empanel_file * files;   // [n_files]
+    int     watch_fd;              // inotify instance watching the files for writes, or -1
+    int32_t changed_file;          // a file seen changed (for good), or -1
+    char    changed_why[128];
 
     int32_t   policy;       // enum empanel_policy
     int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read

@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 6
+#define EMPANEL_SIDECAR_VERSION 7
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -206,6 +206,10 @@ EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struc
 EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
+
+// 1: the pool's files are watched for writes (inotify); 0: each check compares their size, mtime
+// and ctime instead. Either way a file changed while loaded fails every later remap.
+EMPANEL_API int32_t empanel_pool_watching(struct empanel_pool * pool);
 
 // sizeof() of a public struct of llama.h that the llama-cpp-python ctypes bindings mirror, by name
 // ("llama_model_params", "llama_context_params", "llama_batch", ...), as this build compiled it;

@@ -148,9 +148,11 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     atomic_init(&pool->n_requests, 0);
     const char * fault = getenv("EMPANEL_FAULT_READ_AFTER");
     pool->fault_after = fault != NULL ? atoll(fault) : 0;
-    pool->n_layer  = n_layer;
-    pool->n_expert = n_expert;
-    pool->policy   = policy;
+    pool->n_layer      = n_layer;
+    pool->n_expert     = n_expert;
+    pool->policy       = policy;
+    pool->watch_fd     = -1;
+    pool->changed_file = -1;
     pool->layers   = calloc(n_layer, sizeof(struct empanel_layer));
     if (pool->layers == NULL) {
         format_err(err, err_size, "empanel_pool_init: out of memory");

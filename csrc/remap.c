@@ -211,8 +211,8 @@ void empanel_sort_file_order(struct empanel_layer * layer, int32_t n) {
     }
 }
 
-// the n distinct experts: hits are used where they are, misses listed in layer->misses (the
-// files checked before they are read); the number of misses, or -1
+// the n distinct experts: hits are used where they are, misses listed in layer->misses; the
+// number of misses
 static int32_t split_hits(struct empanel_pool * pool, struct empanel_layer * layer, uint64_t call, int32_t n) {
     int32_t n_miss = 0;
     for (int32_t i = 0; i < n; i++) {
@@ -223,16 +223,13 @@ static int32_t split_hits(struct empanel_pool * pool, struct empanel_layer * lay
             layer->misses[n_miss++] = e;
         }
     }
-    return n_miss > 0 && empanel_files_check(pool) != 0 ? -1 : n_miss;
+    return n_miss;
 }
 
 // the n distinct experts fit the pool: hits keep their slots, misses take the slots the policy
 // gives up (none that this micro-batch uses) and are read, every tensor at once
 static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, uint64_t call, int32_t n) {
     const int32_t n_miss = split_hits(pool, layer, call, n);
-    if (n_miss < 0) {
-        return -1;
-    }
     // victims first: every slot is empty until all misses are read (a failed read leaves no
     // slot claiming an expert it does not hold)
     for (int32_t i = 0; i < n_miss; i++) {
@@ -272,9 +269,6 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
         layer->plan_wave[layer->distinct[i]] = -1;
     }
     const int32_t n_miss = split_hits(pool, layer, call, n);
-    if (n_miss < 0) {
-        return -1;
-    }
     // last use of every expert: the token index (victims is free scratch here)
     int32_t * last_use = layer->victims;
     for (int32_t t = 0; t < n_tokens; t++) {
@@ -571,7 +565,9 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
     struct empanel_pool * pool = user;
     const uint64_t t0 = empanel_now_ns();
     pthread_mutex_lock(&pool->lock);
-    const int32_t rc = pool_tensor == NULL
+    // every call looks at the files first: a write anywhere in them (the mapped dense tensors
+    // too) fails the next decode, whether or not it misses
+    const int32_t rc = empanel_files_check(pool) != 0 ? -1 : pool_tensor == NULL
         ? remap_locked(pool, il, expert_ids, ids_row_stride, slot_ids, n_used, n_tokens)
         : remap_wave_locked(pool, il, pool_tensor, wave, n_waves, expert_ids, ids_row_stride, slot_ids, n_used, n_tokens);
     if (rc != 0) {

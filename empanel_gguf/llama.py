@@ -177,6 +177,14 @@ class Llama(llama_cpp.Llama):
 
         ctx.decode = decode_checked
 
+    @property
+    def moe_file_check(self):
+        """How a change to the loaded file is noticed: "inotify" (any write, any mtime), "stat"
+        (size, mtime and ctime at each remap), or None without slot pools."""
+        if self._experts is None:
+            return None
+        return "inotify" if self._experts.watching() else "stat"
+
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots; None
         without slot pools."""

@@ -104,6 +104,10 @@ class ExpertPools:
     def failed(self):
         return bool(self.n.sidecar.empanel_pool_failed(self.pool))
 
+    def watching(self):
+        """True: the files are watched for writes (inotify); False: size, mtime and ctime checks."""
+        return bool(self.n.sidecar.empanel_pool_watching(self.pool))
+
     def notice(self):
         return self.n.ffi.string(self.n.sidecar.empanel_pool_notice(self.pool)).decode(errors="replace")
 

@@ -375,33 +375,43 @@ def _load_copy_and_eval(src, tmp_path):
     return path, llm, logits
 
 
-def _decode_until_read_error(llm):
-    """Feed MORE token by token; a decode that misses must raise MoeReadError. Returns its message."""
-    for token in llm.tokenize(MORE, add_bos=False):
+def _next_decode_raises(llm):
+    """The next decode raises MoeReadError, hit or miss, and takes nothing in; so does the one
+    after (a changed file stays changed). Returns the message."""
+    tokens = llm.tokenize(MORE, add_bos=False)
+    messages = []
+    for token in tokens[:2]:
         n_tokens = llm.n_tokens
-        misses = llm.moe_stats()["total"]["misses"]
-        try:
+        with pytest.raises(MoeReadError) as err:
             llm.eval([token])
-        except MoeReadError as err:
-            assert llm.n_tokens == n_tokens  # the failed token was not taken in
-            return str(err)
-        # a decode that returned read nothing: every expert it routed to was resident
-        assert llm.moe_stats()["total"]["misses"] == misses
-    raise AssertionError("no decode raised MoeReadError")
+        assert llm.n_tokens == n_tokens  # the failed token was not taken in
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    return messages[0]
 
 
-def test_truncated_while_loaded_raises_and_survives(f32_reference, tmp_path):
+# how the loaded file is watched: inotify (Linux), or the size/mtime/ctime checks used elsewhere
+FILE_CHECKS = ["inotify", "stat"]
+
+
+@pytest.fixture(params=FILE_CHECKS)
+def file_check(request, monkeypatch):
+    if request.param == "stat":
+        monkeypatch.setenv("EMPANEL_FILE_WATCH", "0")
+    elif not sys.platform.startswith("linux"):
+        pytest.skip("inotify is Linux's")
+    return request.param
+
+
+def test_truncated_while_loaded_raises_and_survives(f32_reference, tmp_path, file_check):
     src, ref, _ = f32_reference
     path, llm, logits = _load_copy_and_eval(src, tmp_path)
     try:
+        assert llm.moe_file_check == file_check
         assert np.array_equal(logits, ref)
         os.truncate(path, path.stat().st_size // 2)
-        message = _decode_until_read_error(llm)
+        message = _next_decode_raises(llm)
         assert str(path) in message and "changed" in message
-        # the model stays failed for reads: a further decode that misses raises again
-        with pytest.raises(MoeReadError):
-            for token in llm.tokenize(b" again and again", add_bos=False):
-                llm.eval([token])
         llm.close()  # frees model, context and pools after a failed read
         assert llm.moe_stats() is None
     finally:
@@ -409,26 +419,46 @@ def test_truncated_while_loaded_raises_and_survives(f32_reference, tmp_path):
     _check_healthy_load_still_works(src, ref)
 
 
-def test_modified_in_place_raises(f32_reference, tmp_path):
+def _overwrite_experts(path, mtime_ns):
+    """Same size, other bytes in the expert region; then the old mtime put back, as a copy tool
+    or a re-download into place does."""
+    size = path.stat().st_size
+    t = load_index(path).layers[0].tensors["down"]
+    with open(path, "r+b") as f:
+        f.seek(t.offset)
+        f.write(os.urandom(t.stride * 4))
+    os.utime(path, ns=(path.stat().st_atime_ns, mtime_ns))
+    assert path.stat().st_size == size and path.stat().st_mtime_ns == mtime_ns
+
+
+def test_modified_in_place_with_mtime_restored_raises(f32_reference, tmp_path, file_check):
     src, ref, _ = f32_reference
     path, llm, logits = _load_copy_and_eval(src, tmp_path)
     try:
         assert np.array_equal(logits, ref)
-        size = path.stat().st_size
-        t = load_index(path).layers[0].tensors["down"]
-        with open(path, "r+b") as f:  # same size, other bytes in the expert region
-            f.seek(t.offset)
-            f.write(os.urandom(t.stride * 4))
-        st = path.stat()
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-        assert path.stat().st_size == size
-        message = _decode_until_read_error(llm)
+        _overwrite_experts(path, path.stat().st_mtime_ns)
+        message = _next_decode_raises(llm)
         assert str(path) in message and "changed" in message
-        llm.close()
-        assert llm.moe_stats() is None
+        assert ("written to" in message) == (file_check == "inotify")
     finally:
         llm.close()
     _check_healthy_load_still_works(src, ref)
+
+
+def test_write_outside_the_experts_raises_too(f32_reference, tmp_path):
+    """A write to the dense part (mapped by llama.cpp, never read by us) fails the next decode."""
+    src, ref, _ = f32_reference
+    path, llm, logits = _load_copy_and_eval(src, tmp_path)
+    try:
+        t = load_index(path).layers[0].tensors["down"]
+        with open(path, "r+b") as f:  # the same byte again: no content change, still a write
+            f.seek(t.offset - 1)
+            byte = f.read(1)
+            f.seek(t.offset - 1)
+            f.write(byte)
+        _next_decode_raises(llm)
+    finally:
+        llm.close()
 
 
 def test_replaced_by_rename_keeps_the_loaded_model(f32_reference, tmp_path):
