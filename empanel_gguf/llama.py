@@ -13,7 +13,7 @@ import time
 
 from ._native import use_our_libraries
 from .format import format_bytes
-from .index import load_index
+from .index import ModelError, load_index
 from .pools import ExpertPools, MoeReadError, summary_line
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
@@ -89,7 +89,7 @@ class Llama(llama_cpp.Llama):
         if moe_slots is not None:
             plan = self._plan(index, moe_slots, moe_policy, moe_resident_layers, verbose)
         if plan is None and not (moe_trace and index.is_moe):
-            super().__init__(model_path, *args, **kwargs)
+            self._load_llama(model_path, args, kwargs)
             return
 
         experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
@@ -102,7 +102,7 @@ class Llama(llama_cpp.Llama):
             _notice(verbose, experts.notice())
         experts.set_plan()
         try:
-            super().__init__(model_path, *args, **kwargs)
+            self._load_llama(model_path, args, kwargs)
             experts.bind(self._model.model, self._ctx.ctx)
             profile = _warm_start(index, plan, experts, moe_profile, verbose) if plan is not None else None
             if plan is not None and ((plan.holds_all or profile is not None) if moe_preload is None else moe_preload):
@@ -116,6 +116,21 @@ class Llama(llama_cpp.Llama):
         experts.clear_plan()
         self._experts = experts
         self._wrap_decode()
+
+    def _load_llama(self, model_path, args, kwargs):
+        """llama_cpp.Llama's own load, its failures on a corrupt file said as ModelError (a
+        ValueError): llama-cpp-python decodes every metadata value as UTF-8 and compiles every
+        chat template it finds."""
+        try:
+            super().__init__(model_path, *args, **kwargs)
+        except UnicodeDecodeError as e:
+            raise ModelError(model_path, f"a metadata value is not valid UTF-8 ({e.reason} at byte {e.start}); "
+                             "the file is corrupt: download or convert it again") from None
+        except Exception as e:
+            if type(e).__module__.startswith("jinja2"):  # TemplateSyntaxError and kin
+                raise ModelError(model_path, f"its chat template (tokenizer.chat_template) does not parse: {e}; "
+                                 "the file is corrupt, or fix the template in its metadata") from None
+            raise
 
     @staticmethod
     def _plan(index, moe_slots, moe_policy, resident_layers, verbose):
