@@ -346,6 +346,16 @@ def _get_int(header: _Header, key: str, default: int) -> int:
     return value
 
 
+def adapter_expert_tensors(path: os.PathLike | str) -> list[str]:
+    """The routed-expert weights (blk.N.ffn_*_exps.weight) that a LoRA adapter file changes."""
+    names = set()
+    for t in _read_header(Path(path)).tensors:
+        base = t.name.rsplit(".", 1)[0] if t.name.endswith((".lora_a", ".lora_b")) else t.name
+        if _EXPS_RE.match(base):
+            names.add(base)
+    return sorted(names)
+
+
 def load_index(path: os.PathLike | str) -> ModelIndex:
     """Index the routed experts of a GGUF model; `path` may be any shard of a split model."""
     path = Path(path)

@@ -13,7 +13,7 @@ import time
 
 from ._native import use_our_libraries
 from .format import format_bytes
-from .index import ModelError, load_index
+from .index import ModelError, adapter_expert_tensors, load_index
 from .pools import ExpertPools, MoeReadError, summary_line
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
@@ -88,6 +88,8 @@ class Llama(llama_cpp.Llama):
             moe_slots = None
         if moe_slots is not None:
             plan = self._plan(index, moe_slots, moe_policy, moe_resident_layers, verbose)
+        if plan is not None and kwargs.get("lora_path"):
+            _check_adapter(kwargs["lora_path"])
         if plan is None and not (moe_trace and index.is_moe):
             self._load_llama(model_path, args, kwargs)
             return
@@ -213,6 +215,18 @@ class Llama(llama_cpp.Llama):
             super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
+
+
+def _check_adapter(lora_path):
+    """A LoRA adapter may change the layers' attention, dense FFNs, shared experts and output, not
+    the routed experts: their pools hold some experts only, and the adapter's expert deltas are
+    indexed by expert id."""
+    touched = adapter_expert_tensors(lora_path)
+    if touched:
+        shown = ", ".join(touched[:3]) + (f" and {len(touched) - 3} more" if len(touched) > 3 else "")
+        raise ValueError(f"lora_path={lora_path}: the adapter changes routed-expert weights ({shown}), which "
+                         "slot pools cannot apply; load it without slot pools (moe_slots=None), or use an "
+                         "adapter that leaves the routed experts alone")
 
 
 def _preload(experts, verbose):
