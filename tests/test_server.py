@@ -7,6 +7,7 @@ always killed. Needs llama_cpp.server's extras (`pip install "empanel-gguf[serve
 `openai`; without them these tests are skipped.
 """
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -57,11 +58,11 @@ def model(tmp_path_factory):
     return str(fixtures.write_fixture(MODEL, tmp_path_factory.mktemp("server-fixtures")))
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+@contextlib.contextmanager
+def running_server(model, moe_slots, log):
+    """`empanel-gguf serve` on a free loopback port; yields its base URL; always killed."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    cmd = [sys.executable, "-m", "empanel_gguf", "serve", model, "--moe-slots", str(SLOTS),
+    cmd = [sys.executable, "-m", "empanel_gguf", "serve", str(model), "--moe-slots", str(moe_slots),
            "--n_ctx", str(N_CTX), "--host", "127.0.0.1", "--port", str(port), "--verbose", "false"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -79,7 +80,8 @@ def server(model, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"server did not answer within {START_TIMEOUT} s:\n{log.read_text()}")
             time.sleep(0.2)
-        yield base, log
+        yield base
+        assert proc.poll() is None, f"the server died:\n{log.read_text()}"
     finally:
         proc.terminate()
         try:
@@ -87,6 +89,13 @@ def server(model, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    with running_server(model, SLOTS, log) as base:
+        yield base, log
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +251,68 @@ def test_bad_requests_get_400_with_a_message(server, body):
     assert status == 400, (status, text)
     assert "error" in json.loads(text) and json.loads(text)["error"]["message"]
     assert get(f"{base}/v1/models")[0] == 200
+
+
+# the server under load: the built-in model at 25 % slots, 32 clients x 4 requests each
+N_CLIENTS = 32
+PER_CLIENT = 4
+N_DROPPING = 4  # clients whose first request is a stream they hang up on after the first chunk
+LOAD_TIMEOUT = 180
+
+
+def hang_up_mid_stream(base):
+    """Start a streamed completion over a raw socket, read until its first event, hang up."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 64, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen = b""
+        while b"data:" not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, "the server closed before streaming anything"
+            seen += chunk
+
+
+def test_server_under_load_answers_every_request(tmp_path):
+    """Every request answered (or refused with a clear status), none lost; the same greedy text
+    for the same request, under load or alone; clients hanging up mid-stream leave it serving."""
+    from empanel_gguf.commands.options import BUILTIN_MODEL
+
+    with running_server(BUILTIN_MODEL, "25%", tmp_path / "server.log") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=LOAD_TIMEOUT, max_retries=0)
+        kinds = [("completion", False), ("chat", True), ("completion", True), ("chat", False)]
+        alone = {job: ask(client, *job) for job in kinds}
+        assert all(alone.values())
+        answers, failures, refused = [], [], []
+
+        def one_client(c):
+            for r in range(PER_CLIENT):
+                job = kinds[(c + r) % len(kinds)]
+                try:
+                    if c < N_DROPPING and r == 0:
+                        hang_up_mid_stream(base)
+                        continue
+                    answers.append((job, ask(client, *job)))
+                except openai.APIStatusError as e:  # a clear refusal is allowed, not a silent loss
+                    refused.append((job, e.status_code, e.message))
+                except Exception as e:  # reported below
+                    failures.append((c, r, job, repr(e)))
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=one_client, args=(c,)) for c in range(N_CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=max(1.0, LOAD_TIMEOUT - (time.monotonic() - t0)))
+        assert not any(t.is_alive() for t in threads), "requests still unanswered"
+        assert not failures, failures[:5]
+        assert all(status in (429, 503) for _, status, _ in refused), refused[:5]
+        expected = N_CLIENTS * PER_CLIENT - N_DROPPING
+        assert len(answers) + len(refused) == expected
+        wrong = [(job, text) for job, text in answers if text != alone[job]]
+        assert not wrong, wrong[:3]
+        # still serving, and it counted the work
+        assert ask(client, "completion", False) == alone[("completion", False)]
+        stats = json.loads(get(f"{base}/v1/empanel/stats")[2])
+        assert stats["total"]["misses"] > 0
