@@ -25,6 +25,8 @@ struct empanel_tensor {
     uint8_t * host;         // the pool's host memory (any layout), or NULL (device memory)
     int32_t * held;         // [n_slots] expert whose bytes this tensor's slot holds, -1 if none
                             // (or being read); equals the layer's expert_in outside of waves
+    uint64_t * digest;      // [n_expert] XXH3-64 of each expert's file bytes, 0: not known yet
+                            // (taken at its first read); NULL: reads are not verified
 };
 
 struct empanel_layer {
@@ -97,6 +99,7 @@ struct empanel_read_job {
     int        convert;     // 1: staging -> slot by the reader thread that reads the last chunk
                             //    (host pools: CPU_REPACK); 2: by the caller after the batch (device)
     atomic_int chunks_left;
+    uint64_t   verify_ns;   // time its thread took to hash it (moe_verify)
 };
 
 // one read request: file bytes [offset, offset + length) of which [skip, skip + payload) go to
@@ -148,6 +151,7 @@ struct empanel_pool {
     char    changed_why[128];
 
     int32_t   policy;       // enum empanel_policy
+    int       verify;       // every expert read is hashed and checked against its digest
     int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read
     int32_t   prefetch;     // paged layers ahead whose guessed misses are read
     float     subst_ratio;  // routing substitution: a stand-in's share of the missing expert's score; 0: off

@@ -44,6 +44,8 @@ struct empanel_pool_params {
                            // only order eviction
     float    subst_ratio;  // routing substitution (empanel_subst): a resident stand-in needs at least this
                            // share of the missing expert's score; 0: off
+    int32_t  verify;       // 1: hash every expert read (XXH3-64) and check it against its digest
+                           // (empanel_pool_set_digests, else the digest of its first read)
 };
 
 // eviction policies (struct empanel_pool_params.policy); Python reads these names through cffi
@@ -84,6 +86,8 @@ struct empanel_layer_stats {
     uint64_t prefetch_used;   // of those, the ones their micro-batch routed to
     uint64_t prefetch_wasted; // bytes read ahead for experts their micro-batch did not route to
     uint64_t substituted;  // (token, expert) pairs whose expert was not resident and got a stand-in
+    uint64_t verified;     // expert tensors read whose bytes were checked against a digest
+    uint64_t verify_ns;    // time the reader threads spent hashing them (summed over threads)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };
@@ -206,6 +210,15 @@ EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struc
 EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
+
+// XXH3-64 of n bytes (the digest of verified reads)
+EMPANEL_API uint64_t empanel_hash64(const void * data, uint64_t n);
+
+// the digests of every expert of expert tensor `name` (its GGUF name): digests [n_expert], XXH3-64
+// of each expert's bytes in the file (0: not known, taken at its first read). Needs a pool made
+// with verify = 1. Returns 0, or -1 (unknown tensor, or not verifying).
+EMPANEL_API int32_t empanel_pool_set_digests(struct empanel_pool * pool, const char * name,
+                                             const uint64_t * digests, int32_t n_expert);
 
 // 1: the pool's files are watched for writes (inotify); 0: each check compares their size, mtime
 // and ctime instead. Either way a file changed while loaded fails every later remap.

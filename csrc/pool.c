@@ -124,6 +124,7 @@ static void layer_free(struct empanel_layer * layer) {
     free(layer->preload_uses);
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         free(layer->tensors[i].held);
+        free(layer->tensors[i].digest);
     }
 }
 
@@ -263,6 +264,14 @@ struct empanel_pool * empanel_pool_init(
         for (int32_t s = 0; s < layer->n_slots; s++) {
             t->held[s] = -1;
         }
+        if (params != NULL && params->verify) {
+            t->digest = calloc((size_t) n_expert, sizeof(uint64_t)); // [n_expert], 0: not known yet
+            if (t->digest == NULL) {
+                format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
+                empanel_pool_free(pool);
+                return NULL;
+            }
+        }
         layer->expert_bytes += d->expert_size;
     }
 
@@ -272,6 +281,7 @@ struct empanel_pool * empanel_pool_init(
     }
     pool->prefetch    = params != NULL && params->prefetch > 0 ? params->prefetch : 0;
     pool->subst_ratio = params != NULL && params->subst_ratio > 0 ? params->subst_ratio : 0;
+    pool->verify      = params != NULL && params->verify;
     const int32_t  n_threads   = params != NULL && params->n_threads   > 0 ? params->n_threads   : 8;
     const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
     if (empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {
@@ -494,6 +504,26 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
 
 // ------------------------------------------------------------------------------------------------
 // stats
+
+int32_t empanel_pool_set_digests(struct empanel_pool * pool, const char * name, const uint64_t * digests,
+                                 int32_t n_expert) {
+    if (!pool->verify || n_expert != pool->n_expert) {
+        return -1;
+    }
+    for (int32_t il = 0; il < pool->n_layer; il++) {
+        struct empanel_layer * layer = &pool->layers[il];
+        for (int32_t i = 0; i < layer->n_tensors; i++) {
+            struct empanel_tensor * t = &layer->tensors[i];
+            if (strcmp(t->name, name) == 0) {
+                pthread_mutex_lock(&pool->lock);
+                memcpy(t->digest, digests, sizeof(uint64_t) * (size_t) n_expert);
+                pthread_mutex_unlock(&pool->lock);
+                return 0;
+            }
+        }
+    }
+    return -1;
+}
 
 void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out) {
     memset(out, 0, sizeof(*out));

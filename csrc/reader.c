@@ -27,6 +27,10 @@
 #    include <sys/inotify.h>
 #endif
 
+// xxHash from llama.cpp's vendor/hash (the pinned source tree), header only
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
 uint64_t empanel_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -281,6 +285,33 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
     return 0;
 }
 
+uint64_t empanel_hash64(const void * data, uint64_t n) {
+    return (uint64_t) XXH3_64bits(data, (size_t) n);
+}
+
+// moe_verify: the expert's bytes, all landed in job->dst (the slot, or staging before the
+// conversion), against its digest; an unknown digest is taken from this first read
+static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job) {
+    const uint64_t t0 = empanel_now_ns();
+    uint64_t h = empanel_hash64(job->dst, job->tensor->expert_size);
+    h += h == 0; // 0 means "not known"
+    uint64_t * want = &job->tensor->digest[job->expert];
+    job->verify_ns = empanel_now_ns() - t0;
+    if (*want == 0) {
+        *want = h;
+        return 0;
+    }
+    if (h != *want) {
+        empanel_set_error(pool,
+            "%s: expert %d read from %s does not match its digest (XXH3-64 %016llx, expected %016llx): "
+            "the file changed or the drive returned other bytes; reload the model, and check the file "
+            "with empanel-gguf verify", job->tensor->name, job->expert, pool->files[job->tensor->file].path,
+            (unsigned long long) h, (unsigned long long) *want);
+        return -1;
+    }
+    return 0;
+}
+
 // staging -> slot (repack, or a copy to the device)
 static int convert_job(struct empanel_pool * pool, const struct empanel_read_job * job) {
     if (empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
@@ -320,9 +351,11 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         struct empanel_read_job * job = &reader->jobs[c->job];
         if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
             atomic_store(&reader->batch_failed, 1); // skipped or failed: the batch is incomplete
-        } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1 && job->convert == 1 &&
-                   convert_job(reader->pool, job) != 0) { // the expert is complete: repack it now
-            atomic_store(&reader->batch_failed, 1);
+        } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
+            if ((job->tensor->digest != NULL && verify_job(reader->pool, job) != 0) ||
+                (job->convert == 1 && convert_job(reader->pool, job) != 0)) { // repack it now
+                atomic_store(&reader->batch_failed, 1);
+            }
         }
         if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
             pthread_mutex_lock(&reader->mutex);
@@ -541,6 +574,7 @@ static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_
         *io_bytes    += reader->direct ? c->length : c->payload;
     }
     atomic_store(&job->chunks_left, n);
+    job->verify_ns = 0;
     return n;
 }
 
@@ -662,6 +696,10 @@ int empanel_read_finish(struct empanel_pool * pool) {
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
         const struct empanel_read_job * job = &pool->jobs[j];
         job->tensor->held[job->slot] = job->expert;
+        if (job->tensor->digest != NULL) {
+            layer->stats.verified  += 1;
+            layer->stats.verify_ns += job->verify_ns;
+        }
     }
     const uint64_t done = pool->reader.done_ns > pool->inflight_t0 ? pool->reader.done_ns : t1;
     layer->stats.read_ns    += (done < t1 ? done : t1) - pool->inflight_t0;

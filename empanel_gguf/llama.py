@@ -61,6 +61,9 @@ class Llama(llama_cpp.Llama):
             is not resident, the best resident expert among the router's next top-k choices
             stands in if its score is at least r x the missing one's, with its own routing weight.
             Saves reads, changes outputs (measure with empanel-gguf kl). None (default): exact.
+        moe_verify: check every expert read against its XXH3-64 digest before it is used (a
+            mismatch fails the decode with MoeReadError): the digests `empanel-gguf verify` saved
+            for this file, else each expert's first read. Outputs unchanged. Default False.
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
@@ -71,7 +74,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
-                 **kwargs):
+                 moe_verify=False, **kwargs):
         self._experts = None
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)
         self.moe_policy = moe_policy
@@ -96,7 +99,10 @@ class Llama(llama_cpp.Llama):
 
         experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
                               chunk_kb=moe_chunk_kb, direct_io=moe_direct_io, trace=moe_trace,
-                              guess=moe_guess, prefetch=moe_prefetch, subst=moe_subst)
+                              guess=moe_guess, prefetch=moe_prefetch, subst=moe_subst,
+                              verify=moe_verify and plan is not None)
+        if moe_verify and plan is not None:
+            _use_digests(index, experts, verbose)
         if experts.subst:
             _notice(verbose, f"routing substitution on (moe_subst={moe_subst}): outputs are APPROXIMATE, "
                              "not those of the model fully in memory")
@@ -215,6 +221,23 @@ class Llama(llama_cpp.Llama):
             super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
+
+
+def _use_digests(index, experts, verbose):
+    """moe_verify: the digests saved for this file, else those of each expert's first read."""
+    from . import digests
+
+    try:
+        saved = digests.load(index)
+    except digests.DigestError as e:
+        experts.free()
+        raise ValueError(f"moe_verify: {e}") from None
+    if saved is None:
+        _notice(verbose, "moe_verify: no saved digests for this file (empanel-gguf verify saves them); each "
+                         "expert's first read gives its digest and later reads must match it")
+        return
+    experts.set_digests(saved)
+    _notice(verbose, f"moe_verify: expert reads checked against the digests in {digests.default_path(index)}")
 
 
 def _check_adapter(lora_path):

@@ -19,7 +19,7 @@ class ExpertPools:
     """The sidecar's pools of one model: made before the load, bound to the pool tensors after."""
 
     def __init__(self, index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True,
-                 trace=False, guess=True, prefetch=0, subst=None):
+                 trace=False, guess=True, prefetch=0, subst=None, verify=False):
         self.index = index
         self.plan = plan
         self.n = native()
@@ -57,6 +57,7 @@ class ExpertPools:
             raise ValueError(f"moe_subst={subst!r}: a ratio in (0, 1] (0.5: a stand-in needs half the missing "
                              "expert's score), or None")
         params.subst_ratio = float(subst or 0.0)
+        params.verify = 1 if verify else 0
         self.subst = subst if plan is not None else None
         # guesses: one layer ahead to order eviction, as many as prefetch reads
         self.guess_depth = max(1, prefetch) if (guess or prefetch) and plan is not None else 0
@@ -104,6 +105,14 @@ class ExpertPools:
     def failed(self):
         return bool(self.n.sidecar.empanel_pool_failed(self.pool))
 
+    def set_digests(self, digests):
+        """Hand saved expert digests ({tensor name: uint64 [n_expert]}) to a verifying pool."""
+        ffi = self.n.ffi
+        for t in self.paged:
+            values = ffi.new("uint64_t[]", [int(v) for v in digests[t.name]])
+            if self.n.sidecar.empanel_pool_set_digests(self.pool, t.name.encode(), values, t.n_expert) != 0:
+                raise ValueError(f"empanel: digests for {t.name} refused (the pool does not verify)")
+
     def watching(self):
         """True: the files are watched for writes (inotify); False: size, mtime and ctime checks."""
         return bool(self.n.sidecar.empanel_pool_watching(self.pool))
@@ -125,7 +134,8 @@ class ExpertPools:
         total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
                                "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
                                "preloaded", "n_slots", "n_resident", "guessed", "guess_routed", "guess_hits",
-                               "prefetched", "prefetch_used", "prefetch_wasted", "substituted"), 0)
+                               "prefetched", "prefetch_used", "prefetch_wasted", "substituted",
+                               "verified", "verify_s"), 0)
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
@@ -141,6 +151,7 @@ class ExpertPools:
                 "guessed": out.guessed, "guess_routed": out.guess_routed, "guess_hits": out.guess_hits,
                 "prefetched": out.prefetched, "prefetch_used": out.prefetch_used,
                 "prefetch_wasted": out.prefetch_wasted, "substituted": out.substituted,
+                "verified": out.verified, "verify_s": out.verify_ns / 1e9,
             }
             row["hit_rate"] = _rate(row["hits"], row["misses"])
             layers[il] = row

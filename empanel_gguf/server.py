@@ -75,6 +75,9 @@ class EmpanelModelSettings(ModelSettings):
         default=None, description="Routing substitution, INEXACT: a resident expert among the router's next "
                                   "choices stands in for a missing one if its score is at least this share of "
                                   "the missing one's. Unset: exact.")
+    moe_verify: bool = Field(
+        default=False, description="Check every expert read against its XXH3-64 digest (empanel-gguf verify "
+                                   "saves them; else each expert's first read): a mismatch fails the request.")
     moe_profile: Optional[str] = Field(
         default="auto", description="Warm start from a calibration profile (empanel-gguf calibrate): auto "
                                     "uses this model file's saved one if there is one; none starts cold.")
@@ -204,6 +207,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
             moe_prefetch=getattr(settings, "moe_prefetch", 0),
             moe_subst=getattr(settings, "moe_subst", None),
+            moe_verify=getattr(settings, "moe_verify", False),
             moe_profile=None if str(getattr(settings, "moe_profile", "auto")).lower() == "none"
             else getattr(settings, "moe_profile", "auto")))
         try:

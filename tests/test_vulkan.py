@@ -128,3 +128,56 @@ def test_mixed_placement_some_layers_on_device(tmp_path):
     # both kinds of pool were made
     assert "Vulkan0 slot pools size" in proc.stderr
     assert "Vulkan_Host slot pools size" in proc.stderr  # CPU layers: host memory, as stock picks
+
+
+def test_read_failure_on_device_pools_raises_with_no_logits(tmp_path):
+    """A failed read while the pools live in device memory raises MoeReadError: no logits of the
+    micro-batch, the KV cache rolled back, in a prompt's waves and in decode (the abort callback
+    that stops a graph is honoured by the CPU backend only; the sidecar's own check after the
+    decode covers Vulkan)."""
+    code = textwrap.dedent("""
+        import os, sys
+        import numpy as np
+        from empanel_gguf import Llama, MoeReadError, fixtures
+        path = fixtures.write_fixture("qwen3moe-q4_k", sys.argv[1])
+        TEXT = b" ".join(b"%d: a device pool that cannot read" % i for i in range(60))
+        def load(fault_after=None):
+            if fault_after is not None:
+                os.environ["EMPANEL_FAULT_READ_AFTER"] = str(fault_after)  # read at pool init
+            try:
+                return Llama(str(path), n_ctx=512, n_gpu_layers=99, logits_all=True, verbose=False,
+                             moe_slots=4, moe_preload=False)
+            finally:
+                os.environ.pop("EMPANEL_FAULT_READ_AFTER", None)
+        ref = load()
+        tokens = ref.tokenize(TEXT)[:300]
+        ref.eval(tokens)
+        want = np.array(ref.scores[: ref.n_tokens], copy=True)
+        ref.close()
+        ref = load()
+        ref.eval(tokens[:200])
+        prompt_requests = ref.moe_stats()["total"]["n_reads"]
+        ref.close()
+        # the prompt's first read; one in a later wave; the first read after a 200-token prompt
+        for fault_after, n_first in ((1, 0), (prompt_requests // 2, 0), (prompt_requests + 1, 200)):
+            llm = load(fault_after)
+            try:
+                if n_first:
+                    llm.eval(tokens[:n_first])
+                try:
+                    llm.eval(tokens[n_first:])
+                    print("NO ERROR", fault_after)
+                except MoeReadError as e:
+                    ok = llm.n_tokens == n_first and "EMPANEL_FAULT_READ_AFTER" in str(e)
+                    print("RAISED" if ok else "BAD", fault_after, llm.n_tokens, str(e)[:160])
+            finally:
+                llm.close()
+        llm = load()  # a healthy load afterwards: the reference logits
+        llm.eval(tokens)
+        print("HEALTHY" if np.array_equal(np.array(llm.scores[: llm.n_tokens]), want) else "DIFFERENT")
+        llm.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=vulkan_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("RAISED") == 3 and "HEALTHY" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -156,6 +156,9 @@ def add_moe_args(parser, moe_slots_default="auto"):
                  "evicted last (no reads)")
     env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=int, default=0, metavar="N",
             help="also read the guessed experts that are not resident, N layers ahead (0: off)")
+    env_arg(parser, "--moe-verify", env="LLAMA_ARG_MOE_VERIFY", type=parse_bool, default=False, metavar="on|off",
+            help="check every expert read against its XXH3-64 digest (those empanel-gguf verify saved, else "
+                 "its first read's); a mismatch fails the decode")
     env_arg(parser, "--moe-subst", env="LLAMA_ARG_MOE_SUBST", type=float, default=None, metavar="R",
             help="routing substitution, INEXACT: a resident expert among the router's next choices stands "
                  "in for a missing one if its score is at least R x the missing one's (empanel-gguf kl "
@@ -178,6 +181,7 @@ def moe_kwargs(args):
                 moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
                 moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
                 moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
+                moe_verify=args.moe_verify,
                 moe_profile=None if str(args.moe_profile).lower() in ("none", "off", "") else args.moe_profile)
 
 

@@ -1,0 +1,110 @@
+"""Verified expert reads (moe_verify): `empanel-gguf verify` saves every expert's XXH3-64 digest;
+a load with moe_verify=True checks each expert it reads against them (or against its first
+read), with outputs unchanged, and a file whose experts changed before the load fails the decode
+that reads them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from empanel_gguf import Llama, MoeReadError, digests, fixtures
+from empanel_gguf.commands import verify
+from empanel_gguf.exactness import greedy_logits
+from empanel_gguf.index import load_index
+
+KW = dict(n_ctx=256, n_threads=2, logits_all=True, seed=0, verbose=False)
+PROMPT = b"Hello the world, and this is a test of verified reads"
+
+
+@pytest.fixture(scope="module", params=["qwen3moe-f32", "qwen3moe-q4_0"])
+def model(request, tmp_path_factory):
+    """A private copy (the tests change its bytes) and its reference logits without slots."""
+    src = fixtures.write_fixture(request.param, tmp_path_factory.mktemp("verify-src"))
+    path = tmp_path_factory.mktemp("verify") / src.name
+    shutil.copy(src, path)
+    llm = Llama(str(path), **KW)
+    ref, _ = greedy_logits(llm, PROMPT, n_greedy=8)
+    llm.close()
+    return path, ref
+
+
+def _corrupt_expert(path, layer=0, kind="down", expert=1):
+    """Other bytes for one expert, same size, the mtime put back."""
+    st = path.stat()
+    t = load_index(path).layers[layer].tensors[kind]
+    with open(path, "r+b") as f:
+        f.seek(t.offset + expert * t.stride)
+        f.write(os.urandom(t.stride))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return t.name
+
+
+def test_verified_reads_leave_the_outputs_unchanged(model, capfd):
+    path, ref = model
+    assert verify.main([str(path), "--force"]) == 0
+    assert "saved the digests" in capfd.readouterr().out
+    for moe_slots in (4, "25%"):
+        llm = Llama(str(path), moe_slots=moe_slots, moe_verify=True, **dict(KW, verbose=True))
+        try:
+            got, _ = greedy_logits(llm, PROMPT, n_greedy=8)
+            total = llm.moe_stats()["total"]
+        finally:
+            llm.close()
+        assert np.array_equal(got, ref)
+        n_tensors = len(load_index(path).layers[0].tensors)
+        assert total["verified"] == (total["misses"] + total["preloaded"] + total["prefetched"]) * n_tensors > 0
+        assert total["verify_s"] > 0
+    assert "checked against the digests in" in capfd.readouterr().err
+
+
+def test_first_read_digests_without_a_verify_pass(model, tmp_path, monkeypatch, capfd):
+    path, ref = model
+    monkeypatch.setenv("EMPANEL_PROFILE_DIR", str(tmp_path / "empty-cache"))
+    llm = Llama(str(path), moe_slots=4, moe_verify=True, **dict(KW, verbose=True))
+    try:
+        got, _ = greedy_logits(llm, PROMPT, n_greedy=8)
+        assert llm.moe_stats()["total"]["verified"] > 0
+    finally:
+        llm.close()
+    assert np.array_equal(got, ref)
+    assert "first read gives its digest" in capfd.readouterr().err
+
+
+def test_experts_changed_before_the_load_fail_the_decode(model, tmp_path):
+    path, ref = model
+    copy = tmp_path / path.name
+    shutil.copy(path, copy)
+    assert verify.main([str(copy), "--force"]) == 0
+    name = _corrupt_expert(copy)
+    # the identity (size, header) is unchanged: the saved digests still apply, and catch it
+    assert verify.main([str(copy)]) == 1
+    unverified = Llama(str(copy), moe_slots=16, moe_preload=True, **KW)  # every expert read: silently wrong
+    try:
+        got, _ = greedy_logits(unverified, PROMPT)
+    finally:
+        unverified.close()
+    assert not np.array_equal(got, ref[: len(got)])
+    llm = Llama(str(copy), moe_slots=4, moe_verify=True, **KW)
+    try:
+        with pytest.raises(MoeReadError, match=rf"{name}: expert 1 .* does not match its digest"):
+            for token in llm.tokenize(PROMPT):
+                llm.eval([token])
+    finally:
+        llm.close()
+
+
+def test_verify_command_lists_changed_experts(model, tmp_path, capfd):
+    path, _ = model
+    copy = tmp_path / path.name
+    shutil.copy(path, copy)
+    out = tmp_path / "digests.json"
+    assert verify.main([str(copy), "-o", str(out)]) == 0
+    assert digests.load(load_index(copy), out) is not None
+    name = _corrupt_expert(copy, layer=1, kind="up", expert=3)
+    capfd.readouterr()
+    assert verify.main([str(copy), "-o", str(out)]) == 1
+    assert f"CHANGED  {name} expert 3" in capfd.readouterr().out
