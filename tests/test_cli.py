@@ -334,3 +334,17 @@ def test_watchdog_trips_once_below_the_floor():
     assert "below the floor" in dog.message()
     idle = guard.Watchdog(0, None).start()  # floor 0: no thread at all
     assert idle._thread is None
+
+
+def test_serve_without_the_server_extra_says_what_to_install(tmp_path):
+    """A plain install lacks llama-cpp-python's [server] extra: serve names it, no traceback."""
+    block = tmp_path / "block" / "uvicorn"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text("raise ImportError('No module named uvicorn (blocked for the test)')\n")
+    env = child_env()
+    env["PYTHONPATH"] = f"{tmp_path / 'block'}{os.pathsep}{env['PYTHONPATH']}"
+    proc = subprocess.run([sys.executable, "-m", "empanel_gguf", "serve", "model.gguf"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "needs uvicorn" in proc.stderr and 'pip install "empanel-gguf[server]"' in proc.stderr
+    assert "Traceback" not in proc.stderr

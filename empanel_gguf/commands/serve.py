@@ -106,14 +106,33 @@ def settings_from_args(args):
             [parse_model_from_args(EmpanelModelSettings, args)], builtin)
 
 
-def main(argv=None):
-    try:
-        import uvicorn
+# what llama_cpp.server needs beyond llama-cpp-python itself: its [server] extra
+SERVER_MODULES = ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
 
-        from .. import server
-    except ImportError as e:
-        print(f"empanel-gguf serve: {e}", file=sys.stderr)
+
+def missing_server_modules():
+    """The modules of llama-cpp-python's [server] extra that do not import here."""
+    import importlib
+
+    missing = []
+    for name in SERVER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def main(argv=None):
+    missing = missing_server_modules()
+    if missing:
+        print(f"empanel-gguf serve: the server needs {', '.join(missing)} (llama-cpp-python's server extra), "
+              "which this install lacks.\nHINT: pip install \"empanel-gguf[server]\"; from a checkout: "
+              "CMAKE_ARGS=\"-DLLAMA_BUILD=OFF\" pip install \".[server]\"", file=sys.stderr)
         return 1
+    import uvicorn
+
+    from .. import server
     from ..guard import MemoryRefused, Watchdog
     from ..index import ModelError
     from ..sizing import SlotsError
