@@ -1,6 +1,6 @@
 #pragma once
 
-// internal structures of the sidecar, shared by pool.c (tables, memory), remap.c (policy, waves) and reader.c (files, reads)
+// internal structures of the sidecar, shared by pool.c (tables, memory), remap.c (policy, waves), files.c (the model files) and reader.c (reads)
 
 #include "empanel.h"
 
@@ -251,10 +251,11 @@ int     empanel_compare_uint64(const void * a, const void * b);
 // layer->distinct) for `call`: recall and read-ahead accounted
 void    empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call);
 
-// reader.c
+// files.c
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);
 void     empanel_files_close (struct empanel_pool * pool);
 int      empanel_files_check (struct empanel_pool * pool);
+// reader.c
 int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);
 // read n_misses experts of a layer into their slots (misses[i] -> slots[i]), every tensor of the

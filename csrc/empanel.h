@@ -211,7 +211,7 @@ EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
 
-// XXH3-64 of n bytes (the digest of verified reads)
+// XXH3-64 of n bytes (the digest of verified reads), 1 where XXH3 gives 0: a digest is never 0
 EMPANEL_API uint64_t empanel_hash64(const void * data, uint64_t n);
 
 // the digests of every expert of expert tensor `name` (its GGUF name): digests [n_expert], XXH3-64

@@ -34,10 +34,9 @@ class DigestError(ValueError):
 
 
 def hash_bytes(data) -> int:
-    """XXH3-64 of a bytes-like object, by the sidecar (0 is never returned: it means unknown)."""
+    """XXH3-64 of a bytes-like object, by the sidecar (never 0: that means unknown)."""
     n = native()
-    h = int(n.sidecar.empanel_hash64(n.ffi.from_buffer(data), len(data)))
-    return h + (h == 0)
+    return int(n.sidecar.empanel_hash64(n.ffi.from_buffer(data), len(data)))
 
 
 def default_path(index, identity=None) -> Path:
