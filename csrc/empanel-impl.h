@@ -206,6 +206,8 @@ struct empanel_pool {
 
 // pool.c
 void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...);
+// the message into err [err_size] (nothing if err is NULL)
+void empanel_format_err(char * err, size_t err_size, const char * fmt, ...);
 // slot `slot` of the layer holds nothing: host pools give its pages back
 void empanel_slot_release(struct empanel_layer * layer, int32_t slot);
 // g-lru: take expert entry e out of the recency list / put it at the recent end

@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 7
+#define EMPANEL_SIDECAR_VERSION 8
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -223,6 +223,36 @@ EMPANEL_API int32_t empanel_pool_set_digests(struct empanel_pool * pool, const c
 // 1: the pool's files are watched for writes (inotify); 0: each check compares their size, mtime
 // and ctime instead. Either way a file changed while loaded fails every later remap.
 EMPANEL_API int32_t empanel_pool_watching(struct empanel_pool * pool);
+
+// llama.cpp's programs (llama-server, llama-cli, llama-bench, llama-perplexity): `empanel-gguf
+// llama-server ...` writes the plan to a file (empanel_gguf/program_plan.py; its records are
+// described in csrc/program.c) and runs the program with EMPANEL_PLAN=<that file> and
+// EMPANEL_SIDECAR=<this library>; libllama's program hook calls these around each model load.
+struct empanel_program;
+struct llama_model;
+
+// before a load of model_path: if the plan at plan_path is for this model (the same real path),
+// make its pools and set the plan for the load on this thread (llama_empanel_set_plan and kin).
+// NULL with err "": the plan is for another model (e.g. a draft model), which loads as usual;
+// NULL with err set: the plan cannot be used (changed file, bad plan, pool init failure).
+EMPANEL_API struct empanel_program * empanel_program_open(const char * plan_path, const char * model_path,
+                                                          char * err, size_t err_size);
+
+// after the load: bind the pools to the model's pool tensors, hand over the profile's preload
+// order, preload if the plan says so. Returns 0, or -1 with the reason in err.
+EMPANEL_API int32_t empanel_program_loaded(struct empanel_program * prog, const struct llama_model * model,
+                                           char * err, size_t err_size);
+
+// the program's pools (empanel_pool_failed, empanel_pool_error, empanel_pool_clear_error)
+EMPANEL_API struct empanel_pool * empanel_program_pool(struct empanel_program * prog);
+
+// the model is freed: append its counters to the plan's stats file (one JSON object per load),
+// free the pools
+EMPANEL_API void empanel_program_close(struct empanel_program * prog);
+
+// Prometheus text (format 0.0.4) of every open program's pools into buf [size] (NUL-terminated,
+// truncated if it does not fit); returns the length of the whole text
+EMPANEL_API size_t empanel_program_metrics(char * buf, size_t size);
 
 // sizeof() of a public struct of llama.h that the llama-cpp-python ctypes bindings mirror, by name
 // ("llama_model_params", "llama_context_params", "llama_batch", ...), as this build compiled it;

@@ -54,7 +54,7 @@ const char * empanel_pool_error(struct empanel_pool * pool) {
     return atomic_load(&pool->failed) ? pool->error : "";
 }
 
-static void format_err(char * err, size_t err_size, const char * fmt, ...) {
+void empanel_format_err(char * err, size_t err_size, const char * fmt, ...) {
     if (err == NULL || err_size == 0) {
         return;
     }
@@ -132,16 +132,16 @@ static void layer_free(struct empanel_layer * layer) {
 static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int32_t * n_slots, int32_t n_expert,
                                       char * err, size_t err_size) {
     if (n_layer <= 0 || n_expert <= 0) {
-        format_err(err, err_size, "empanel_pool_init: need layers and experts");
+        empanel_format_err(err, err_size, "empanel_pool_init: need layers and experts");
         return NULL;
     }
     if (policy != EMPANEL_POLICY_LRU && policy != EMPANEL_POLICY_LFU_DECAY && policy != EMPANEL_POLICY_GLRU) {
-        format_err(err, err_size, "empanel_pool_init: unknown policy %d", policy);
+        empanel_format_err(err, err_size, "empanel_pool_init: unknown policy %d", policy);
         return NULL;
     }
     struct empanel_pool * pool = calloc(1, sizeof(*pool));
     if (pool == NULL) {
-        format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_format_err(err, err_size, "empanel_pool_init: out of memory");
         return NULL;
     }
     pthread_mutex_init(&pool->lock, NULL);
@@ -156,7 +156,7 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     pool->changed_file = -1;
     pool->layers   = calloc(n_layer, sizeof(struct empanel_layer));
     if (pool->layers == NULL) {
-        format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_format_err(err, err_size, "empanel_pool_init: out of memory");
         empanel_pool_free(pool);
         return NULL;
     }
@@ -166,12 +166,12 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
             continue;
         }
         if (n_slots[il] > n_expert) {
-            format_err(err, err_size, "layer %d: %d slots for %d experts", il, n_slots[il], n_expert);
+            empanel_format_err(err, err_size, "layer %d: %d slots for %d experts", il, n_slots[il], n_expert);
             empanel_pool_free(pool);
             return NULL;
         }
         if (layer_alloc(&pool->layers[il], n_slots[il], n_expert) != 0) {
-            format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", il);
+            empanel_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", il);
             empanel_pool_free(pool);
             return NULL;
         }
@@ -191,7 +191,7 @@ static int pool_link_lru(struct empanel_pool * pool, uint64_t budget_bytes, char
     pool->lru_next    = malloc(sizeof(int32_t) * (pool->n_entries + 1));
     pool->entry_layer = malloc(sizeof(int32_t) * (pool->n_entries + 1));
     if (!pool->lru_prev || !pool->lru_next || !pool->entry_layer) {
-        format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_format_err(err, err_size, "empanel_pool_init: out of memory");
         return -1;
     }
     for (int32_t il = 0; il < pool->n_layer; il++) {
@@ -214,7 +214,7 @@ struct empanel_pool * empanel_pool_init(
         char               * err,
         size_t               err_size) {
     if (n_paths <= 0) {
-        format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
+        empanel_format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
         return NULL;
     }
     const int32_t policy = params != NULL ? params->policy : EMPANEL_POLICY_LRU;
@@ -231,19 +231,19 @@ struct empanel_pool * empanel_pool_init(
     for (int32_t i = 0; i < n_tensors; i++) {
         const struct empanel_tensor_desc * d = &tensors[i];
         if (d->layer < 0 || d->layer >= n_layer || pool->layers[d->layer].n_slots == 0) {
-            format_err(err, err_size, "%s: layer %d is not paged", d->name, d->layer);
+            empanel_format_err(err, err_size, "%s: layer %d is not paged", d->name, d->layer);
             empanel_pool_free(pool);
             return NULL;
         }
         struct empanel_layer * layer = &pool->layers[d->layer];
         if (layer->n_tensors == EMPANEL_MAX_TENSORS) {
-            format_err(err, err_size, "%s: more than %d expert tensors in layer %d", d->name, EMPANEL_MAX_TENSORS, d->layer);
+            empanel_format_err(err, err_size, "%s: more than %d expert tensors in layer %d", d->name, EMPANEL_MAX_TENSORS, d->layer);
             empanel_pool_free(pool);
             return NULL;
         }
         if (d->file < 0 || d->file >= n_paths ||
             d->offset + d->expert_size * (uint64_t) n_expert > pool->files[d->file].size) {
-            format_err(err, err_size, "%s: experts lie outside %s (offset %llu + %d x %llu bytes > %llu)",
+            empanel_format_err(err, err_size, "%s: experts lie outside %s (offset %llu + %d x %llu bytes > %llu)",
                        d->name, d->file >= 0 && d->file < n_paths ? paths[d->file] : "?",
                        (unsigned long long) d->offset, n_expert, (unsigned long long) d->expert_size,
                        d->file >= 0 && d->file < n_paths ? (unsigned long long) pool->files[d->file].size : 0ULL);
@@ -257,7 +257,7 @@ struct empanel_pool * empanel_pool_init(
         t->expert_size = d->expert_size;
         t->held        = malloc(sizeof(int32_t) * layer->n_slots); // [n_slots]
         if (t->held == NULL) {
-            format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
+            empanel_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
             empanel_pool_free(pool);
             return NULL;
         }
@@ -267,7 +267,7 @@ struct empanel_pool * empanel_pool_init(
         if (params != NULL && params->verify) {
             t->digest = calloc((size_t) n_expert, sizeof(uint64_t)); // [n_expert], 0: not known yet
             if (t->digest == NULL) {
-                format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
+                empanel_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
                 empanel_pool_free(pool);
                 return NULL;
             }

@@ -16,11 +16,22 @@ COMMANDS = {
     "bench": "benchmark against stock llama.cpp on the same model (synthetic or yours)",
 }
 
+# llama.cpp's own programs on slot pools (commands/programs.py); built with EMPANEL_PROGRAMS=ON
+PROGRAMS = {
+    "llama-server": "llama.cpp's server (continuous batching: -np N) with slot pools",
+    "llama-cli": "llama.cpp's command-line chat and completion with slot pools",
+    "llama-bench": "llama.cpp's benchmark (pp/tg table) with slot pools",
+    "llama-perplexity": "llama.cpp's perplexity and KL divergence with slot pools",
+}
+
 
 def usage():
     lines = ["usage: empanel-gguf <command> [options]", "", "commands:"]
     for name, text in COMMANDS.items():
         lines.append(f"  {name:10s} {text}")
+    lines += ["", "llama.cpp's programs (their own flags, plus --moe-*; --moe-help lists ours):"]
+    for name, text in PROGRAMS.items():
+        lines.append(f"  {name:16s} {text}")
     lines.append("")
     lines.append("`empanel-gguf <command> --help` for a command's options")
     return "\n".join(lines)
@@ -32,6 +43,10 @@ def main(argv=None):
         print(usage())
         return 0
     command, rest = argv[0], argv[1:]
+    if command in PROGRAMS:
+        from .commands import programs
+
+        return programs.main(command, rest)
     if command not in COMMANDS:
         print(f"empanel-gguf: unknown command '{command}'\n\n{usage()}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import time
 from ._native import use_our_libraries
 from .format import format_bytes
 from .index import ModelError, adapter_expert_tensors, load_index
+from .plan import wants_preload
 from .pools import ExpertPools, MoeReadError, summary_line
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
@@ -113,7 +114,7 @@ class Llama(llama_cpp.Llama):
             self._load_llama(model_path, args, kwargs)
             experts.bind(self._model.model, self._ctx.ctx)
             profile = _warm_start(index, plan, experts, moe_profile, verbose) if plan is not None else None
-            if plan is not None and ((plan.holds_all or profile is not None) if moe_preload is None else moe_preload):
+            if wants_preload(plan, profile is not None, moe_preload):
                 _preload(experts, verbose)
         except BaseException:
             experts.clear_plan()

@@ -47,6 +47,15 @@ class LoadPlan:
         return lines
 
 
+def wants_preload(plan, have_profile, moe_preload):
+    """Whether a load reads experts into the empty slots right after it: moe_preload None (auto)
+    does when the pools hold every expert (resident from the first token, as a stock load) or a
+    calibration profile says which experts to take first."""
+    if plan is None:
+        return False
+    return (plan.holds_all or have_profile) if moe_preload is None else bool(moe_preload)
+
+
 def parse_moe_slots(value):
     """CLI/env text -> what Llama(moe_slots=...) takes: None, 'auto', an int, or the text."""
     if value is None:

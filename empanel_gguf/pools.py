@@ -6,6 +6,8 @@
                   over routing calls, for the policy lab (policies.py, replay.py)
 """
 
+from dataclasses import dataclass
+
 from . import _native
 from ._native import native, policy_id
 from .sizing import DEFAULT_POLICY
@@ -13,6 +15,50 @@ from .sizing import DEFAULT_POLICY
 
 class MoeReadError(RuntimeError):
     """Reading experts from the model file failed during a decode; nothing was returned."""
+
+
+@dataclass
+class PoolSetup:
+    """What the sidecar's pools of one load are made of (checked arguments, no C objects): the
+    same for ExpertPools in this process and for a plan handed to a program (program_plan.py)."""
+    n_slots: list           # [n_layer] slots (0: resident, -1: resident and traced)
+    paged: list             # the ExpertTensors with a pool
+    params: dict            # struct empanel_pool_params, field by field
+    guess_depth: int        # paged layers ahead that the gate-ahead guess looks (0: none)
+    subst: object           # moe_subst ratio, None: exact routing
+
+
+def pool_setup(index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True, trace=False,
+               guess=True, prefetch=0, subst=None, verify=False) -> PoolSetup:
+    """The pools of a load with `plan` (sizing.SlotPlan, None: no slots); ValueError for bad
+    moe_* arguments."""
+    n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
+    if trace:  # layers without a pool are observed: their routing is traced too
+        n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
+    if io_threads < 0 or chunk_kb < 4:
+        raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"moe_prefetch={prefetch!r}: give a number of layers ahead (0 = off)")
+    if subst is not None and (isinstance(subst, bool) or not isinstance(subst, (int, float)) or not 0 < subst <= 1):
+        raise ValueError(f"moe_subst={subst!r}: a ratio in (0, 1] (0.5: a stand-in needs half the missing "
+                         "expert's score), or None")
+    params = {
+        "n_threads": io_threads,
+        "chunk_bytes": chunk_kb * 1024,
+        "direct_io": 1 if direct_io else -1,
+        "policy": policy_id(policy),
+        "budget_bytes": plan.budget_bytes if plan is not None else 0,
+        "prefetch": prefetch,
+        "subst_ratio": float(subst or 0.0),
+        "verify": 1 if verify else 0,
+    }
+    return PoolSetup(
+        n_slots=n_slots,
+        paged=[t for t in index.expert_tensors() if n_slots[t.layer] > 0],
+        params=params,
+        # guesses: one layer ahead to order eviction, as many as prefetch reads
+        guess_depth=max(1, prefetch) if (guess or prefetch) and plan is not None else 0,
+        subst=subst if plan is not None else None)
 
 
 class ExpertPools:
@@ -26,14 +72,12 @@ class ExpertPools:
         ffi = self.n.ffi
         self._keep = []  # cffi buffers that must outlive the C pool
         self.n_masked = 0  # pools whose waves are masked (a GPU kernel may compute on them): bind()
+        setup = pool_setup(index, plan, policy, io_threads, chunk_kb, direct_io, trace, guess, prefetch, subst,
+                           verify)
 
         paths = [ffi.new("char[]", str(shard.path).encode()) for shard in index.shards]
         path_array = ffi.new("const char *[]", paths)
-        n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
-        if trace:  # layers without a pool are observed: their routing is traced too
-            n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
-        paged = [t for t in index.expert_tensors() if n_slots[t.layer] > 0]
-        tensors = paged
+        tensors = setup.paged
         names = [ffi.new("char[]", t.name.encode()) for t in tensors]
         descs = ffi.new("struct empanel_tensor_desc[]", len(tensors))
         for i, t in enumerate(tensors):
@@ -42,27 +86,13 @@ class ExpertPools:
             descs[i].offset = t.offset
             descs[i].expert_size = t.stride
             descs[i].name = names[i]
-        if io_threads < 0 or chunk_kb < 4:
-            raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
         params = ffi.new("struct empanel_pool_params *")
-        params.n_threads = io_threads
-        params.chunk_bytes = chunk_kb * 1024
-        params.direct_io = 1 if direct_io else -1
-        params.policy = policy_id(policy)
-        params.budget_bytes = plan.budget_bytes if plan is not None else 0
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"moe_prefetch={prefetch!r}: give a number of layers ahead (0 = off)")
-        params.prefetch = prefetch
-        if subst is not None and (isinstance(subst, bool) or not isinstance(subst, (int, float)) or not 0 < subst <= 1):
-            raise ValueError(f"moe_subst={subst!r}: a ratio in (0, 1] (0.5: a stand-in needs half the missing "
-                             "expert's score), or None")
-        params.subst_ratio = float(subst or 0.0)
-        params.verify = 1 if verify else 0
-        self.subst = subst if plan is not None else None
-        # guesses: one layer ahead to order eviction, as many as prefetch reads
-        self.guess_depth = max(1, prefetch) if (guess or prefetch) and plan is not None else 0
-        self.n_slots = ffi.new("int32_t[]", n_slots)
-        self.paged = paged
+        for key, value in setup.params.items():
+            setattr(params, key, value)
+        self.subst = setup.subst
+        self.guess_depth = setup.guess_depth
+        self.n_slots = ffi.new("int32_t[]", setup.n_slots)
+        self.paged = tensors
         err = ffi.new("char[]", 512)
         self.pool = self.n.sidecar.empanel_pool_init(
             params, path_array, len(paths), index.n_layer, self.n_slots, index.n_expert,
@@ -127,48 +157,16 @@ class ExpertPools:
         self.n.sidecar.empanel_pool_clear_error(self.pool)
 
     def stats(self):
-        """Counters per MoE layer and in total (times in seconds)."""
-        ffi = self.n.ffi
-        out = ffi.new("struct empanel_layer_stats *")
-        layers = {}
-        total = dict.fromkeys(("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes",
-                               "n_reads", "read_s", "wait_s", "write_s", "copy_bytes", "remap_s",
-                               "preloaded", "n_slots", "n_resident", "guessed", "guess_routed", "guess_hits",
-                               "prefetched", "prefetch_used", "prefetch_wasted", "substituted",
-                               "verified", "verify_s"), 0)
+        """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots; times
+        in seconds (see layer_stats)."""
+        out = self.n.ffi.new("struct empanel_layer_stats *")
+        raw = {}
         for il in self.index.moe_layers:
             if self.n_slots[il] <= 0:
                 continue  # observed only
             self.n.sidecar.empanel_stats_get(self.pool, il, out)
-            row = {
-                "n_remaps": out.n_remaps, "n_waves": out.n_waves, "n_ids": out.n_ids, "hits": out.hits,
-                "misses": out.misses, "bytes_read": out.bytes_read, "io_bytes": out.io_bytes,
-                "n_reads": out.n_reads, "read_s": out.read_ns / 1e9, "wait_s": out.wait_ns / 1e9,
-                "write_s": out.write_ns / 1e9,
-                "copy_bytes": out.copy_bytes,
-                "remap_s": out.remap_ns / 1e9, "preloaded": out.preloaded,
-                "n_slots": out.n_slots, "n_resident": out.n_resident,
-                "guessed": out.guessed, "guess_routed": out.guess_routed, "guess_hits": out.guess_hits,
-                "prefetched": out.prefetched, "prefetch_used": out.prefetch_used,
-                "prefetch_wasted": out.prefetch_wasted, "substituted": out.substituted,
-                "verified": out.verified, "verify_s": out.verify_ns / 1e9,
-            }
-            row["hit_rate"] = _rate(row["hits"], row["misses"])
-            layers[il] = row
-            for key in total:
-                total[key] += row[key]
-        total["hit_rate"] = _rate(total["hits"], total["misses"])
-        total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
-        total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
-        total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0
-        # waves per micro-batch and layer; reads done while the graph computed (overlap)
-        total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
-        total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
-        total["masked_pools"] = self.n_masked
-        # the gate-ahead guess: recall over the micro-batches it was made for; read-ahead hits
-        total["guess_recall"] = total["guess_hits"] / total["guess_routed"] if total["guess_routed"] else 0.0
-        total["prefetch_hit_rate"] = total["prefetch_used"] / total["prefetched"] if total["prefetched"] else 0.0
-        return {"layers": layers, "total": total}
+            raw[il] = {key: getattr(out, key) for key in RAW_COUNTERS}
+        return layer_stats(raw, self.n_masked)
 
     def take_trace(self):
         """The routing recorded since the last call: int32 [layer, n_tokens, n_used, ids...]
@@ -200,16 +198,11 @@ class ExpertPools:
     def set_preload_order(self, profile, seed_uses=0):
         """Preload fills each paged layer's empty slots with the profile's most used experts first;
         seed_uses > 0: they start with LFU counts up to that, in proportion to their use."""
-        for il in self.index.moe_layers:
-            if self.n_slots[il] > 0:
-                order = profile.order(il)
-                row = profile.counts[profile.moe_layers.index(il)]
-                top = max(1, int(row.max()))
-                uses = [max(1, round(seed_uses * int(row[e]) / top)) for e in order] if seed_uses else None
-                buf = self.n.ffi.new("int32_t[]", order)
-                ubuf = self.n.ffi.new("uint32_t[]", uses) if uses else self.n.ffi.NULL
-                if self.n.sidecar.empanel_pool_preload_order(self.pool, il, buf, ubuf, len(order)) != 0:
-                    raise ValueError(f"empanel: layer {il}: the profile's preload order was refused")
+        for il, (order, uses) in preload_orders(profile, list(self.n_slots), self.index.moe_layers, seed_uses).items():
+            buf = self.n.ffi.new("int32_t[]", order)
+            ubuf = self.n.ffi.new("uint32_t[]", uses) if uses else self.n.ffi.NULL
+            if self.n.sidecar.empanel_pool_preload_order(self.pool, il, buf, ubuf, len(order)) != 0:
+                raise ValueError(f"empanel: layer {il}: the profile's preload order was refused")
 
     def free(self):
         if self.pool is not None:
@@ -226,6 +219,63 @@ def slot_table(n, pool, layer, n_slots):
 
 def _rate(hits, misses):
     return hits / (hits + misses) if hits + misses else 0.0
+
+
+# the counters of struct empanel_layer_stats (times in ns), as the sidecar gives them; a
+# program's stats file (csrc/program.c) has the same names
+RAW_COUNTERS = ("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes", "n_reads", "read_ns",
+                "wait_ns", "write_ns", "copy_bytes", "remap_ns", "preloaded", "n_slots", "n_resident", "guessed",
+                "guess_routed", "guess_hits", "prefetched", "prefetch_used", "prefetch_wasted", "substituted",
+                "verified", "verify_ns")
+
+
+def layer_stats(raw, n_masked=0):
+    """{layer: raw counters} -> {"layers": {layer: row}, "total": totals and rates}; *_ns become
+    *_s (seconds)."""
+    layers = {}
+    total = None
+    for il, counters in raw.items():
+        row = {}
+        for key in RAW_COUNTERS:
+            value = counters.get(key, 0)
+            if key.endswith("_ns"):
+                row[key[:-3] + "_s"] = value / 1e9
+            else:
+                row[key] = value
+        row["hit_rate"] = _rate(row["hits"], row["misses"])
+        layers[il] = row
+        if total is None:
+            total = dict.fromkeys((k for k in row if k != "hit_rate"), 0)
+        for key in total:
+            total[key] += row[key]
+    if total is None:
+        total = dict.fromkeys((key[:-3] + "_s" if key.endswith("_ns") else key for key in RAW_COUNTERS), 0)
+    total["hit_rate"] = _rate(total["hits"], total["misses"])
+    total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
+    total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
+    total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0
+    # waves per micro-batch and layer; reads done while the graph computed (overlap)
+    total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
+    total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
+    total["masked_pools"] = n_masked
+    # the gate-ahead guess: recall over the micro-batches it was made for; read-ahead hits
+    total["guess_recall"] = total["guess_hits"] / total["guess_routed"] if total["guess_routed"] else 0.0
+    total["prefetch_hit_rate"] = total["prefetch_used"] / total["prefetched"] if total["prefetched"] else 0.0
+    return {"layers": layers, "total": total}
+
+
+def preload_orders(profile, n_slots, moe_layers, seed_uses=0):
+    """{paged layer: (experts, LFU counts or None)}: the profile's most used experts first (see
+    ExpertPools.set_preload_order)."""
+    orders = {}
+    for il in moe_layers:
+        if n_slots[il] > 0:
+            order = profile.order(il)
+            row = profile.counts[profile.moe_layers.index(il)]
+            top = max(1, int(row.max()))
+            uses = [max(1, round(seed_uses * int(row[e]) / top)) for e in order] if seed_uses else None
+            orders[il] = ([int(e) for e in order], uses)
+    return orders
 
 
 def summary_line(stats):

@@ -1,0 +1,253 @@
+"""`empanel-gguf llama-server|llama-cli|llama-bench|llama-perplexity [--moe-* ...] PROGRAM FLAGS`: llama.cpp's own programs on slot pools.
+
+empanel-gguf plans the load as it does for Llama (index, slot sizing, auto, the memory guard),
+writes the plan to a file and runs llama.cpp's program, built from the same patched tree and the
+same libllama, with EMPANEL_PLAN=<the plan>. The program's libllama hands the plan to the sidecar
+at the load of the model it names: the pools, the reader threads and the policy run inside the
+program, with no Python in it. Every flag that is not one of the options below goes to the
+program unchanged, with its own meaning (`-m MODEL` is the model; LLAMA_ARG_MODEL works too).
+
+At the end of the program, each load's expert statistics are printed (and saved with
+--moe-stats-json). llama-server started with --metrics also shows them live on /metrics, as
+empanel_* series next to its own llamacpp:* ones. With -np N (continuous batching) a step decodes
+up to N sequences at once, and each expert the step needs is read once for all of them.
+
+The programs are built with the package when its build has EMPANEL_PROGRAMS=ON:
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DEMPANEL_PROGRAMS=ON" pip install .
+Exit status: the program's; 1 error, 2 usage, 3 refused by the memory guard.
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .options import EXIT_MEMORY, add_memory_args, add_moe_args, note
+
+PROGRAMS = ("llama-server", "llama-cli", "llama-bench", "llama-perplexity")
+PROGRAMS_DIR = Path(__file__).resolve().parent.parent / "programs"
+
+
+def programs_dir():
+    """Where the programs are: EMPANEL_GGUF_PROGRAMS_DIR, else the package's programs/ folder."""
+    return Path(os.environ.get("EMPANEL_GGUF_PROGRAMS_DIR") or PROGRAMS_DIR)
+
+
+def program_path(name):
+    """The program's executable; FileNotFoundError, saying how to build it, when it is missing."""
+    path = programs_dir() / (name + (".exe" if sys.platform == "win32" else ""))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{name} is not built in this install ({programs_dir()} has no {path.name}). llama.cpp's programs "
+            "are built with EMPANEL_PROGRAMS=ON: CMAKE_ARGS=\"-DLLAMA_BUILD=OFF -DEMPANEL_PROGRAMS=ON\" pip install "
+            "empanel-gguf (or `pip install .` in a checkout)")
+    return path
+
+
+def setup_arg_parser(name):
+    parser = argparse.ArgumentParser(
+        prog=f"empanel-gguf {name}", usage=f"empanel-gguf {name} [--moe-* options] {name.upper()}-FLAGS...",
+        description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False, add_help=False)
+    parser.add_argument("--moe-help", action="help", help="show these options and exit (--help is the program's)")
+    add_moe_args(parser)
+    add_memory_args(parser)
+    parser.add_argument("--moe-stats-json", metavar="PATH",
+                        help="save each load's expert statistics to PATH (a JSON list, one entry per load)")
+    return parser
+
+
+def split_args(parser, argv):
+    """(our options, the program's flags): a token is ours only if it is exactly one of the
+    parser's option strings (or `--option=value`), so that no program flag is taken for an
+    abbreviation of ours (-m is the program's model, not -ms)."""
+    actions = {flag: action for action in parser._actions for flag in action.option_strings}
+    ours, theirs = [], []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0] if token.startswith("--") else token
+        action = actions.get(name)
+        if action is None:
+            theirs.append(token)
+        else:
+            ours.append(token)
+            if action.nargs != 0 and "=" not in token and i + 1 < len(argv):
+                ours.append(argv[i + 1])
+                i += 1
+        i += 1
+    return ours, theirs
+
+
+# the program flags the plan needs, by llama.cpp's names (common/arg.cpp)
+_MODEL_FLAGS = ("-m", "--model")
+_VALUE_FLAGS = {"-c": "ctx", "--ctx-size": "ctx", "-b": "batch", "--batch-size": "batch", "-ub": "ubatch",
+                "--ubatch-size": "ubatch", "-ngl": "ngl", "--gpu-layers": "ngl", "--n-gpu-layers": "ngl",
+                "-np": "parallel", "--parallel": "parallel"}
+
+
+def program_flags(flags):
+    """The values of the flags the plan reads ({"model": [paths], "ctx": "4096", ...}) as the
+    program will see them: `-m X` or `--model=X` (llama-bench's lists, -m a,b, split), else
+    LLAMA_ARG_MODEL, LLAMA_ARG_CTX_SIZE and kin from the environment."""
+    found = {"model": []}
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        if flag.startswith("--") and "=" in flag:
+            flag, value = flag.split("=", 1)
+            i += 1
+        elif i + 1 < len(flags):
+            value = flags[i + 1]
+            i += 2 if (flag in _MODEL_FLAGS or flag in _VALUE_FLAGS) else 1
+        else:
+            value = None
+            i += 1
+        if value is None:
+            continue
+        if flag in _MODEL_FLAGS:
+            found["model"] += [v for v in value.split(",") if v]
+        elif flag in _VALUE_FLAGS:
+            found[_VALUE_FLAGS[flag]] = value.split(",")[0]
+    if not found["model"] and os.environ.get("LLAMA_ARG_MODEL"):
+        found["model"] = [os.environ["LLAMA_ARG_MODEL"]]
+    for key, env in (("ctx", "LLAMA_ARG_CTX_SIZE"), ("batch", "LLAMA_ARG_BATCH"), ("ubatch", "LLAMA_ARG_UBATCH"),
+                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS"), ("parallel", "LLAMA_ARG_N_PARALLEL")):
+        if key not in found and os.environ.get(env):
+            found[key] = os.environ[env]
+    return found
+
+
+def _int_or(text, default):
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return default
+
+
+def plan_for_program(name, args, flags):
+    """(plan text or None, notes): the plan of the program's model, None when it runs stock
+    (no slot pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
+    from .. import digests as digest_files
+    from ..estimate import cli_n_ctx, model_shape
+    from ..index import load_index
+    from ..plan import parse_moe_slots, wants_preload
+    from ..pools import pool_setup, preload_orders
+    from ..profile import ProfileError, resolve
+    from .options import moe_kwargs, plan_from_args
+    from ..program_plan import plan_text
+
+    values = program_flags(flags)
+    models = values["model"]
+    if not models:
+        raise ValueError(f"no model: give {name} -m MODEL.gguf (downloads with -hf are not planned)")
+    if len(models) > 1:
+        note(f"{len(models)} models given: slot pools for {models[0]}, the others load as usual")
+    index = load_index(models[0])
+    moe_slots = parse_moe_slots(args.moe_slots if args.moe_slots is not None else "auto")
+    shape = model_shape(index)
+    ctx = _int_or(values.get("ctx"), None)
+    kwargs = {"n_ctx": cli_n_ctx(shape, ctx), "n_batch": _int_or(values.get("batch"), 2048),
+              "n_ubatch": _int_or(values.get("ubatch"), 512), "n_gpu_layers": _int_or(values.get("ngl"), 0)}
+    load = plan_from_args(index, args, moe_slots, kwargs)
+    if load.moe_slots is None:
+        return None
+    moe = moe_kwargs(args)
+    setup = pool_setup(index, load.plan, moe["moe_policy"], moe["moe_io_threads"], moe["moe_chunk_kb"],
+                       moe["moe_direct_io"], False, moe["moe_guess"], moe["moe_prefetch"], moe["moe_subst"],
+                       moe["moe_verify"])
+    profile = None
+    try:
+        profile, where = resolve(index, moe["moe_profile"])
+    except ProfileError as e:
+        if moe["moe_profile"] != "auto":
+            raise ValueError(str(e)) from None
+        note(f"warm start: {e}; starting cold")
+    orders = None
+    if profile is not None:
+        orders = preload_orders(profile, setup.n_slots, index.moe_layers, seed_uses=load.plan.min_slots)
+        note(f"warm start: {where} ({profile.tokens} tokens routed): each layer's most used experts are preloaded")
+    saved = None
+    if moe["moe_verify"]:
+        try:
+            saved = digest_files.load(index)
+        except digest_files.DigestError as e:
+            raise ValueError(f"--moe-verify: {e}") from None
+        note("moe_verify: " + ("expert reads checked against the saved digests" if saved is not None
+                               else "no saved digests (empanel-gguf verify saves them): each expert's first read "
+                                    "gives its digest"))
+    preload = wants_preload(load.plan, profile is not None, moe["moe_preload"])
+    return lambda stats_path: plan_text(index, setup, preload=preload, orders=orders, digests=saved,
+                                        stats_path=stats_path)
+
+
+def run_program(path, flags, env):
+    """Run the program in the foreground; its exit status. Ctrl-C reaches it (same process group)
+    and ends it as it ends alone; a SIGTERM to us is passed on."""
+    child = subprocess.Popen([str(path), *flags], env=env)
+    previous = {}
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, forward if signum == signal.SIGTERM else signal.SIG_IGN)
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def main(name, argv=None):
+    from .._native import lib_dir, _shared_lib_name
+    from ..guard import MemoryRefused
+    from ..index import ModelError
+    from ..pools import summary_line
+    from ..program_plan import read_stats
+    from ..sizing import SlotsError
+
+    parser = setup_arg_parser(name)
+    ours, flags = split_args(parser, list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(ours)
+    try:
+        path = program_path(name)
+    except FileNotFoundError as e:
+        print(f"empanel-gguf {name}: {e}", file=sys.stderr)
+        return 1
+    try:
+        make_plan = plan_for_program(name, args, flags)
+    except (ModelError, SlotsError, ValueError, OSError) as e:
+        print(f"empanel-gguf {name}: {e}", file=sys.stderr)
+        return 1
+    except MemoryRefused as e:
+        print(f"empanel-gguf {name}: refused: {e}", file=sys.stderr)
+        return EXIT_MEMORY
+
+    env = dict(os.environ)
+    if make_plan is None:
+        note(f"{name} runs without slot pools")
+        return run_program(path, flags, env)
+    with tempfile.TemporaryDirectory(prefix="empanel-plan-") as tmp:
+        plan_path = Path(tmp) / "plan.txt"
+        stats_path = Path(tmp) / "stats.jsonl"
+        plan_path.write_text(make_plan(stats_path))
+        env["EMPANEL_PLAN"] = str(plan_path)
+        env["EMPANEL_SIDECAR"] = str(lib_dir() / _shared_lib_name("empanel"))
+        rc = run_program(path, flags, env)
+        loads = read_stats(stats_path)
+    # llama.cpp's programs may first load the model without memory to size it (common's fit):
+    # such a load never runs, and only the loads that did are reported
+    ran = [stats for stats in loads if stats["total"]["n_remaps"] or stats["total"]["preloaded"]] or loads[-1:]
+    for i, stats in enumerate(ran):
+        prefix = f"load {i + 1} of {len(ran)}: " if len(ran) > 1 else ""
+        note(prefix + summary_line(stats).removeprefix("empanel: "))
+    if args.moe_stats_json:
+        import json
+
+        Path(args.moe_stats_json).write_text(json.dumps(loads, indent=1))
+    return rc
