@@ -1,0 +1,309 @@
+"""llama.cpp's own programs on slot pools: `empanel-gguf llama-server|llama-cli|llama-bench|llama-perplexity`.
+
+The programs are the real llama.cpp ones, built from the same patched tree (EMPANEL_PROGRAMS=ON),
+run as subprocesses on the built-in model and fixtures; the plan reaches the sidecar inside them
+through EMPANEL_PLAN. Each program with slot pools is compared with the same program without:
+the same perplexity bit for bit, the same greedy text, the same answers of llama-server with
+continuous batching (-np 4) over loopback HTTP. Without the programs (a build without
+EMPANEL_PROGRAMS) these tests are skipped, unless EMPANEL_REQUIRE_PROGRAMS=1 (CI) makes that a
+failure.
+"""
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+
+from empanel_gguf import fixtures
+from empanel_gguf.commands import programs
+from empanel_gguf.commands.options import BUILTIN_MODEL
+from empanel_gguf.index import load_index
+from empanel_gguf.pools import pool_setup
+from empanel_gguf.program_plan import plan_text
+from empanel_gguf.sizing import plan_slots
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 120  # seconds for one program run
+START_TIMEOUT = 45
+THREADS = "2"
+
+_missing = [name for name in programs.PROGRAMS if not (programs.programs_dir() / name).is_file()]
+if _missing:
+    if os.environ.get("EMPANEL_REQUIRE_PROGRAMS") == "1":
+        pytest.fail(f"EMPANEL_REQUIRE_PROGRAMS=1 but {', '.join(_missing)} are not built in "
+                    f"{programs.programs_dir()}", pytrace=False)
+    pytest.skip(f"llama.cpp's programs are not built ({', '.join(_missing)}): build with "
+                "CMAKE_ARGS=-DEMPANEL_PROGRAMS=ON", allow_module_level=True)
+
+
+def run_program(name, *args, env_extra=None, stdin=subprocess.DEVNULL):
+    """`empanel-gguf <name> args...` to the end: CompletedProcess with text output."""
+    cmd = [sys.executable, "-m", "empanel_gguf", name, *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=child_env(**(env_extra or {})), stdin=stdin, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def model():
+    assert BUILTIN_MODEL.is_file(), "the built-in model is part of the package"
+    return str(BUILTIN_MODEL)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    from empanel_gguf.profile import DEFAULT_TEXT
+
+    path = tmp_path_factory.mktemp("programs-text") / "text.txt"
+    path.write_text(DEFAULT_TEXT * 2)
+    return path
+
+
+def test_split_args_takes_only_exact_options():
+    parser = programs.setup_arg_parser("llama-bench")
+    ours, theirs = programs.split_args(parser, ["-ms", "25%", "-m", "a.gguf", "--moe-policy=lru", "-p", "64",
+                                                "--moe-io-threads", "4", "-n", "16"])
+    assert ours == ["-ms", "25%", "--moe-policy=lru", "--moe-io-threads", "4"]
+    assert theirs == ["-m", "a.gguf", "-p", "64", "-n", "16"]
+    flags = programs.program_flags(["-m", "a.gguf,b.gguf", "-c", "256", "--batch-size=64", "-np", "4"])
+    assert flags["model"] == ["a.gguf", "b.gguf"] and flags["ctx"] == "256"
+    assert flags["batch"] == "64" and flags["parallel"] == "4"
+
+
+def test_missing_program_says_how_to_build(model):
+    proc = run_program("llama-bench", "-m", model, env_extra={"EMPANEL_GGUF_PROGRAMS_DIR": "/nonexistent"})
+    assert proc.returncode == 1
+    assert "EMPANEL_PROGRAMS=ON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_llama_bench_prints_its_table_with_pools(model, tmp_path):
+    stats_json = tmp_path / "stats.json"
+    proc = run_program("llama-bench", "--moe-slots", "25%", "--moe-stats-json", stats_json, "-m", model,
+                       "-p", "32", "-n", "8", "-r", "1", "-t", THREADS)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert any(re.search(r"\|\s+pp32\s+\|", row) for row in rows), proc.stdout
+    assert any(re.search(r"\|\s+tg8\s+\|", row) for row in rows), proc.stdout
+    loads = json.loads(stats_json.read_text())
+    ran = [load["total"] for load in loads if load["total"]["n_remaps"]]
+    assert ran, loads
+    assert ran[-1]["misses"] > 0 and ran[-1]["bytes_read"] > 0 and ran[-1]["n_slots"] > 0
+    assert re.search(r"empanel: \d+ hits, \d+ misses", proc.stderr), proc.stderr
+
+
+def _perplexity(model, text_file, moe_slots, *extra):
+    """llama-perplexity's output (stdout and stderr) with -c 128 -b 128."""
+    proc = run_program("llama-perplexity", "--moe-slots", moe_slots, "-m", model, "-f", text_file, "-c", "128",
+                       "-b", "128", "-t", THREADS, *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _ppl_values(out):
+    chunks = re.findall(r"\[\d+\]\d+\.\d+", out)
+    final = re.search(r"Final estimate: PPL = [0-9.]+ \+/- [0-9.]+", out)
+    assert chunks and final, out[-3000:]
+    return chunks, final.group(0)
+
+
+@pytest.mark.parametrize("fixture", [None, "mixtral", "qwen3moe-q4_k"])
+def test_llama_perplexity_same_with_and_without_slots(model, text_file, fixture, tmp_path):
+    path = model if fixture is None else str(fixtures.write_fixture(fixture, tmp_path))
+    stock = _perplexity(path, text_file, "none")
+    paged = _perplexity(path, text_file, "25%")
+    assert "runs without slot pools" in stock
+    assert re.search(r"empanel: \d+ hits, \d+ misses", paged)
+    assert _ppl_values(paged) == _ppl_values(stock)  # every chunk's value, printed to 4 decimals
+
+
+def _kl_report(out):
+    """The statistics llama-perplexity --kl-divergence prints (KLD, Δp, top-token agreement)."""
+    lines = [line.split(" I ", 1)[-1].strip() for line in out.splitlines()
+             if re.search(r"(KLD|Δp|Same top p|PPL|ln\(PPL)", line)]
+    assert any("Mean    KLD" in line or "Mean KLD" in line.replace("  ", " ") for line in lines), out[-3000:]
+    return lines
+
+
+def test_llama_perplexity_kl_divergence_is_stock_s(model, text_file, tmp_path):
+    """--kl-divergence against stock's saved logits (stored as 16-bit log-probs, so even stock
+    against itself shows a tiny KLD): with slot pools every statistic is stock's own."""
+    base = tmp_path / "stock.kld"
+    _perplexity(model, text_file, "none", "--kl-divergence-base", base)
+    assert base.stat().st_size > 0
+    stock = _kl_report(_perplexity(model, text_file, "none", "--kl-divergence-base", base, "--kl-divergence"))
+    paged = _kl_report(_perplexity(model, text_file, "25%", "--kl-divergence-base", base, "--kl-divergence"))
+    assert paged == stock
+
+
+def _cli_text(model, moe_slots):
+    proc = run_program("llama-cli", "--moe-slots", moe_slots, "-m", model, "-p", "ROMEO:", "-n", "24",
+                       "--temp", "0", "-t", THREADS, "-st", "--simple-io")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_llama_cli_completes_a_prompt(model):
+    paged = _cli_text(model, "25%")
+    stock = _cli_text(model, "none")
+    reply = paged.stdout.split("ROMEO:", 1)[-1].strip()
+    assert len(reply) > 10, paged.stdout
+    assert paged.stdout.split("[ Prompt")[0] == stock.stdout.split("[ Prompt")[0]
+    assert re.search(r"empanel: \d+ hits, \d+ misses", paged.stderr)
+
+
+def test_program_refuses_a_changed_model_file(tmp_path):
+    path = fixtures.write_fixture("qwen3moe-q4_0", tmp_path)
+    index = load_index(path)
+    setup = pool_setup(index, plan_slots(index, "25%"))
+    plan = tmp_path / "plan.txt"
+    plan.write_text(plan_text(index, setup))
+    os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns + 10**9))  # as a rewrite would
+    bench = programs.program_path("llama-bench")
+    env = child_env(EMPANEL_PLAN=str(plan))
+    proc = subprocess.run([bench, "-m", path, "-p", "8", "-n", "0", "-r", "1"], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0
+    assert "changed since empanel-gguf planned the load" in proc.stderr, proc.stderr[-2000:]
+
+    plan.write_text(plan_text(load_index(path), setup).replace("end\n", ""))  # truncated
+    proc = subprocess.run([bench, "-m", path, "-p", "8", "-n", "0", "-r", "1"], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "incomplete plan" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_plan_for_another_model_loads_it_as_usual(model, tmp_path):
+    other = fixtures.write_fixture("qwen3moe-q4_0", tmp_path)
+    index = load_index(other)
+    plan = tmp_path / "plan.txt"
+    plan.write_text(plan_text(index, pool_setup(index, plan_slots(index, "25%")), stats_path=tmp_path / "s.jsonl"))
+    proc = subprocess.run([programs.program_path("llama-bench"), "-m", model, "-p", "8", "-n", "0", "-r", "1",
+                           "-t", THREADS], env=child_env(EMPANEL_PLAN=str(plan)), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "pp8" in proc.stdout and not (tmp_path / "s.jsonl").exists()
+
+
+# -- llama-server ---------------------------------------------------------------------------------
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(model, moe_slots, log, *extra, env_extra=None):
+    """`empanel-gguf llama-server` on a free loopback port; yields (base URL, process); always
+    stopped (SIGTERM, which the wrapper passes on)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "empanel_gguf", "llama-server", "--moe-slots", moe_slots, "-m", model,
+           "-np", "4", "-c", "2048", "-t", THREADS, "--host", "127.0.0.1", "--port", str(port), "--metrics", *extra]
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env_extra or {})), stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"llama-server exited with {proc.returncode}:\n{Path(log).read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                pytest.fail(f"llama-server did not answer within {START_TIMEOUT} s:\n{Path(log).read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        out.close()
+
+
+PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY:"]
+
+
+def _ask_all(base):
+    """The four prompts at once (one OpenAI client each), greedy, 24 tokens: their texts."""
+    openai = pytest.importorskip("openai", reason="the openai client is missing: pip install openai")
+
+    def ask(prompt):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0)
+        if prompt == PROMPTS[1]:  # one of them as a chat, streamed
+            stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=24, temperature=0, stream=True)
+            return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        return client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(ask, PROMPTS))
+
+
+def _hang_up_mid_stream(base):
+    """Open a streamed completion, read its first event, close the socket."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True, "temperature": 0})
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        got = b""
+        while b"data:" not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    return b"data:" in got
+
+
+def test_llama_server_parallel_requests_equal_stock(model, tmp_path):
+    with llama_server(model, "none", tmp_path / "stock.log") as (base, _):
+        stock = _ask_all(base)
+    with llama_server(model, "25%", tmp_path / "paged.log") as (base, proc):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            hang_up = pool.submit(_hang_up_mid_stream, base)  # alongside the four
+            paged = _ask_all(base)
+            assert hang_up.result(timeout=60)
+        again = _ask_all(base)  # the server goes on after the hang-up
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        with urllib.request.urlopen(f"{base}/slots", timeout=10) as response:
+            n_slots = len(json.loads(response.read()))
+    assert n_slots == 4
+    assert all(len(text) > 0 for text in stock)
+    assert paged == stock and again == stock
+    misses = sum(float(v) for v in re.findall(r"^empanel_expert_misses_total\{[^}]*\} (\S+)$", metrics, re.M))
+    assert misses > 0, metrics[-2000:]
+    assert "llamacpp:prompt_tokens_total" in metrics  # llama-server's own series are still there
+    assert re.search(r"empanel_hit_rate\{model=\"[^\"]+\"\} [0-9.]+", metrics)
+    log = (tmp_path / "paged.log").read_text()
+    assert re.search(r"empanel: \d+ hits, \d+ misses", log), log[-2000:]  # the statistics at exit
+
+
+def test_llama_server_read_failure_fails_the_request_not_the_server(model, tmp_path):
+    log = tmp_path / "fault.log"
+    # reads from the 200th request on fail: the warmup passes, the first prompt's reads fail
+    with llama_server(model, "25%", log, env_extra={"EMPANEL_FAULT_READ_AFTER": "200"}) as (base, proc):
+        request = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"prompt": "ROMEO:", "max_tokens": 8}).encode())
+        with pytest.raises(urllib.error.HTTPError) as failure:
+            urllib.request.urlopen(request, timeout=60)
+        assert failure.value.code == 500
+        with urllib.request.urlopen(f"{base}/health", timeout=10) as response:
+            assert response.status == 200
+        assert proc.poll() is None
+    assert "EMPANEL_FAULT_READ_AFTER" in log.read_text()  # the sidecar's message is in the log
