@@ -20,3 +20,15 @@ def child_env(drop=(), **extra):
     env["PYTHONPATH"] = str(_REPO)
     env.update(extra)
     return env
+
+
+def stop_process(proc, timeout=10):
+    """SIGTERM, then SIGKILL after `timeout` s: a test's server child never outlives the test."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

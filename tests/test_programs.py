@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, stop_process
 
 from empanel_gguf import fixtures
 from empanel_gguf.commands import programs
@@ -226,12 +226,7 @@ def llama_server(model, moe_slots, log, *extra, env_extra=None):
             time.sleep(0.2)
         yield base, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc, timeout=20)
         out.close()
 
 
@@ -281,12 +276,12 @@ def test_llama_server_parallel_requests_equal_stock(model, tmp_path):
         again = _ask_all(base)  # the server goes on after the hang-up
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
             metrics = response.read().decode()
+        misses = metric_value(base, "empanel_expert_misses_total")
         with urllib.request.urlopen(f"{base}/slots", timeout=10) as response:
             n_slots = len(json.loads(response.read()))
     assert n_slots == 4
     assert all(len(text) > 0 for text in stock)
     assert paged == stock and again == stock
-    misses = sum(float(v) for v in re.findall(r"^empanel_expert_misses_total\{[^}]*\} (\S+)$", metrics, re.M))
     assert misses > 0, metrics[-2000:]
     assert "llamacpp:prompt_tokens_total" in metrics  # llama-server's own series are still there
     assert re.search(r"empanel_hit_rate\{model=\"[^\"]+\"\} [0-9.]+", metrics)
@@ -307,3 +302,40 @@ def test_llama_server_read_failure_fails_the_request_not_the_server(model, tmp_p
             assert response.status == 200
         assert proc.poll() is None
     assert "EMPANEL_FAULT_READ_AFTER" in log.read_text()  # the sidecar's message is in the log
+
+
+def test_llama_server_speculative_decoding_over_the_pools(model, tmp_path):
+    """A draft model proposes tokens and the target checks them in one batch: over slot pools the
+    verification batches are batches like any other, so the answers are stock's with the same
+    draft. The draft is a copy of the model at another path: the plan is the target's only."""
+    import shutil
+
+    draft = tmp_path / "draft.gguf"
+    shutil.copyfile(model, draft)
+    spec = ("--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", "4")
+
+    def ask(base):
+        body = {"prompt": "ROMEO:", "n_predict": 32, "temperature": 0}
+        request = urllib.request.Request(f"{base}/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+
+    with llama_server(model, "none", tmp_path / "stock.log", *spec) as (base, _):
+        stock = ask(base)
+    with llama_server(model, "25%", tmp_path / "paged.log", *spec) as (base, _):
+        paged = ask(base)
+        misses = metric_value(base, "empanel_expert_misses_total")
+    assert stock["timings"].get("draft_n", 0) > 0, stock["timings"]  # the draft did propose tokens
+    assert paged["content"] == stock["content"] and len(paged["content"]) > 10
+    assert paged["timings"]["draft_n_accepted"] == stock["timings"]["draft_n_accepted"]
+    assert misses > 0
+    log = (tmp_path / "paged.log").read_text()
+    assert len(re.findall(r"empanel: (?:load \d+ of \d+: )?\d+ hits", log)) >= 1, log[-2000:]
+
+
+def metric_value(base, name):
+    """The sum of a Prometheus series over its labels, from /metrics."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))

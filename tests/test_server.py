@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, stop_process
 
 for _name in ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings"):
     pytest.importorskip(_name, reason='llama_cpp.server extras missing: pip install "empanel-gguf[server]"')
@@ -83,12 +83,7 @@ def running_server(model, moe_slots, log):
         yield base
         assert proc.poll() is None, f"the server died:\n{log.read_text()}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
