@@ -126,6 +126,16 @@ def test_llama_perplexity_same_with_and_without_slots(model, text_file, fixture,
     assert _ppl_values(paged) == _ppl_values(stock)  # every chunk's value, printed to 4 decimals
 
 
+def test_llama_perplexity_with_preloaded_pools(model, text_file):
+    """Preloading (--moe-preload on, or a calibration profile) after the program's own sizing
+    load: llama.cpp's common first loads the model without memory (no_alloc) to fit it, and that
+    load must bind and preload nothing."""
+    stock = _perplexity(model, text_file, "none")
+    paged = _perplexity(model, text_file, "25%", "--moe-preload", "on")
+    assert re.search(r"empanel: preloaded \d+ experts", paged), paged[-3000:]
+    assert _ppl_values(paged) == _ppl_values(stock)
+
+
 def _kl_report(out):
     """The statistics llama-perplexity --kl-divergence prints (KLD, Δp, top-token agreement)."""
     lines = [line.split(" I ", 1)[-1].strip() for line in out.splitlines()
@@ -143,6 +153,13 @@ def test_llama_perplexity_kl_divergence_is_stock_s(model, text_file, tmp_path):
     stock = _kl_report(_perplexity(model, text_file, "none", "--kl-divergence-base", base, "--kl-divergence"))
     paged = _kl_report(_perplexity(model, text_file, "25%", "--kl-divergence-base", base, "--kl-divergence"))
     assert paged == stock
+    # what routing substitution costs, measured the way llama.cpp users measure quantization
+    subst = _perplexity(model, text_file, "25%", "--moe-subst", "0.5", "--kl-divergence-base", base,
+                        "--kl-divergence")
+    assert "APPROXIMATE" in subst
+    mean = {name: float(re.search(r"Mean\s+KLD:\s+(-?[0-9.]+)", "\n".join(lines)).group(1))
+            for name, lines in (("stock", stock), ("subst", _kl_report(subst)))}
+    assert mean["subst"] > mean["stock"], mean
 
 
 def _cli_text(model, moe_slots):

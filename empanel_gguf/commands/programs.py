@@ -28,12 +28,15 @@ from pathlib import Path
 from .options import EXIT_MEMORY, add_memory_args, add_moe_args, note
 
 PROGRAMS = ("llama-server", "llama-cli", "llama-bench", "llama-perplexity")
-PROGRAMS_DIR = Path(__file__).resolve().parent.parent / "programs"
 
 
 def programs_dir():
-    """Where the programs are: EMPANEL_GGUF_PROGRAMS_DIR, else the package's programs/ folder."""
-    return Path(os.environ.get("EMPANEL_GGUF_PROGRAMS_DIR") or PROGRAMS_DIR)
+    """Where the programs are: EMPANEL_GGUF_PROGRAMS_DIR, else programs/ next to the library
+    folder (_native.lib_dir(), the package's lib/ unless EMPANEL_GGUF_LIB_DIR names another
+    build's): a program loads the libllama of ../lib, and its sidecar must be that build's."""
+    from .._native import lib_dir
+
+    return Path(os.environ.get("EMPANEL_GGUF_PROGRAMS_DIR") or lib_dir().parent / "programs")
 
 
 def program_path(name):
