@@ -171,7 +171,7 @@ def run_llama_bench(config, args, cgroup, out_dir):
     cgroup.prepare(int(args.cap * os.path.getsize(args.model)) if capped else 1 << 62)
     flags = ["-m", args.model, "-t", str(args.threads), *args.llama_bench.split()]
     if config == "stock":
-        cmd = [str(program_path("llama-bench")), *flags] + (["-nr", "1"] if capped else [])
+        cmd = [str(program_path("llama-bench")), *flags] + (["--repack", "0"] if capped else [])
     else:
         cmd = [sys.executable, "-m", "empanel_gguf", "llama-bench", "--moe-slots", args.slots, "--mem-floor", "0",
                *flags]
