@@ -1,10 +1,11 @@
 // llama.cpp's own programs (llama-server, llama-cli, llama-bench, llama-perplexity) on slot pools.
 //
 // `empanel-gguf llama-server ...` plans in Python as for Llama (index, sizing, memory guard),
-// writes the plan to a file and runs the program with EMPANEL_PLAN=<that file> and
-// EMPANEL_SIDECAR=<this library>. At each load of the model the plan names, libllama's program
-// hook (llama-empanel-program.cpp) loads this library and calls empanel_program_open before the
-// load and empanel_program_loaded after it; no Python runs in the program.
+// writes the plan to a file and runs the program with EMPANEL_PLAN=<that file>. At each load of
+// the model the plan names, libllama's program hook (llama-empanel-program.cpp) loads this
+// library (the libempanel next to that libllama, or EMPANEL_SIDECAR) and calls
+// empanel_program_open before the load and empanel_program_loaded after it; no Python runs in
+// the program.
 //
 // The plan file: one record per line, fields separated by one space, a path always last (it may
 // hold spaces). Written by empanel_gguf/program_plan.py; every record is required except order,
@@ -58,7 +59,7 @@ struct program_digests {
 struct empanel_program {
     struct empanel_pool * pool;
     char     model[PATH_MAX];
-    char     label[PATH_MAX];   // model, escaped for a Prometheus label value
+    char     label[PATH_MAX];   // model, escaped for a Prometheus label value (/metrics)
     char     stats_path[PATH_MAX];
     int32_t  n_layer;
     int32_t  n_expert;
@@ -171,7 +172,7 @@ static int field_i64(struct plan_reader * r, int64_t * out) {
 
 static int field_u64(struct plan_reader * r, uint64_t * out, int base) {
     char * text = next_field(r);
-    if (text == NULL) {
+    if (text == NULL || text[0] == '-' || text[0] == '+') { // strtoull would wrap a negative
         return -1;
     }
     char * end = NULL;
@@ -209,7 +210,7 @@ struct plan_parts {
     int32_t  n_paths;
     struct empanel_tensor_desc * tensors; // [n_tensors], names owned by prog->tensor_names
     struct empanel_pool_params   params;
-    int      have_params;
+    int      seen;       // enum plan_record bits
 };
 
 static void parts_free(struct plan_parts * parts) {
@@ -224,10 +225,27 @@ static void * grow(void * ptr, int32_t n, size_t size) {
     return realloc(ptr, (size_t) (n + 1) * size);
 }
 
-// one record of the plan into prog/parts; 0, 1 at `end`, -1 on a bad record (err says which)
+// the records a plan must hold (struct plan_parts.seen)
+enum plan_record {
+    PLAN_MODEL   = 1 << 0,
+    PLAN_FILE    = 1 << 1,
+    PLAN_SHAPE   = 1 << 2,
+    PLAN_PARAMS  = 1 << 3,
+    PLAN_GUESS   = 1 << 4,
+    PLAN_SUBST   = 1 << 5,
+    PLAN_PRELOAD = 1 << 6,
+    PLAN_SLOTS   = 1 << 7,
+    PLAN_TENSOR  = 1 << 8,
+    PLAN_REQUIRED = (1 << 9) - 1,
+};
+
+// one record of the plan into prog/parts; 0, 1 at `end`, -1 on a bad record (err says which).
+// Records of a fixed shape must end where their last field does; shape comes once, before the
+// records whose sizes it gives.
 static int parse_record(struct plan_reader * r, struct empanel_program * prog, struct plan_parts * parts,
                         char * err, size_t err_size) {
     const char * kind = next_field(r);
+    int seen = 0;
     if (kind == NULL) {
         return 0; // blank line
     }
@@ -236,6 +254,7 @@ static int parse_record(struct plan_reader * r, struct empanel_program * prog, s
     }
     if (strcmp(kind, "model") == 0) {
         snprintf(prog->model, sizeof(prog->model), "%s", rest_of_line(r));
+        parts->seen |= PLAN_MODEL;
         return 0;
     }
     if (strcmp(kind, "stats") == 0) {
@@ -264,59 +283,79 @@ static int parse_record(struct plan_reader * r, struct empanel_program * prog, s
                     "command again", path);
             return -1;
         }
-        parts->paths = grow(parts->paths, parts->n_paths, sizeof(char *));
-        parts->paths[parts->n_paths++] = strdup(path);
+        char ** paths = grow(parts->paths, parts->n_paths, sizeof(char *));
+        if (paths == NULL) {
+            goto oom;
+        }
+        parts->paths = paths;
+        if ((parts->paths[parts->n_paths] = strdup(path)) == NULL) {
+            goto oom;
+        }
+        parts->n_paths++;
+        parts->seen |= PLAN_FILE;
         return 0;
     }
     if (strcmp(kind, "shape") == 0) {
-        if (field_i32(r, &prog->n_layer, 1, 1 << 16) != 0 || field_i32(r, &prog->n_expert, 1, 1 << 16) != 0 ||
-            field_i32(r, &prog->n_expert_used, 1, 1 << 16) != 0) {
+        if ((parts->seen & PLAN_SHAPE) || field_i32(r, &prog->n_layer, 1, 1 << 16) != 0 ||
+            field_i32(r, &prog->n_expert, 1, 1 << 16) != 0 || field_i32(r, &prog->n_expert_used, 1, 1 << 16) != 0) {
             goto bad;
         }
-        return 0;
+        seen = PLAN_SHAPE;
+        goto fixed;
     }
     if (strcmp(kind, "params") == 0) {
         struct empanel_pool_params * p = &parts->params;
         int64_t chunk = 0;
-        if (field_i32(r, &p->n_threads, 0, 1024) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 || chunk > UINT32_MAX ||
-            field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
-            field_u64(r, &p->budget_bytes, 10) != 0 || field_i32(r, &p->prefetch, 0, 1 << 16) != 0 ||
-            field_f32(r, &p->subst_ratio) != 0 || field_i32(r, &p->verify, 0, 1) != 0) {
+        if (field_i32(r, &p->n_threads, 0, INT32_MAX) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 ||
+            chunk > UINT32_MAX || field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
+            field_u64(r, &p->budget_bytes, 10) != 0 || field_i32(r, &p->prefetch, 0, INT32_MAX) != 0 ||
+            field_f32(r, &p->subst_ratio) != 0 || !(p->subst_ratio >= 0.0f && p->subst_ratio <= 1.0f) ||
+            field_i32(r, &p->verify, 0, 1) != 0) {
             goto bad;
         }
         p->chunk_bytes = (uint32_t) chunk;
-        parts->have_params = 1;
-        return 0;
+        seen = PLAN_PARAMS;
+        goto fixed;
     }
     if (strcmp(kind, "guess") == 0) {
         if (field_i32(r, &prog->guess_depth, 0, 1 << 16) != 0) {
             goto bad;
         }
-        return 0;
+        seen = PLAN_GUESS;
+        goto fixed;
     }
     if (strcmp(kind, "subst") == 0) {
         if (field_i32(r, &prog->subst_alt, 0, 1 << 16) != 0) {
             goto bad;
         }
-        return 0;
+        seen = PLAN_SUBST;
+        goto fixed;
     }
     if (strcmp(kind, "preload") == 0) {
         if (field_i32(r, &prog->preload, 0, 1) != 0) {
             goto bad;
         }
-        return 0;
+        seen = PLAN_PRELOAD;
+        goto fixed;
+    }
+    if (!(parts->seen & PLAN_SHAPE)) { // the records below are sized by it
+        empanel_format_err(err, err_size, "%s:%d: '%s' before 'shape'", r->path, r->line_no, kind);
+        return -1;
     }
     if (strcmp(kind, "slots") == 0) {
-        if (prog->n_layer <= 0 || prog->n_slots != NULL) {
+        if (prog->n_slots != NULL) {
             goto bad;
         }
-        prog->n_slots = calloc((size_t) prog->n_layer, sizeof(int32_t));
+        if ((prog->n_slots = calloc((size_t) prog->n_layer, sizeof(int32_t))) == NULL) {
+            goto oom;
+        }
         for (int32_t il = 0; il < prog->n_layer; il++) {
             if (field_i32(r, &prog->n_slots[il], -1, prog->n_expert) != 0) {
                 goto bad;
             }
         }
-        return 0;
+        seen = PLAN_SLOTS;
+        goto fixed;
     }
     if (strcmp(kind, "tensor") == 0) {
         struct empanel_tensor_desc d = {0};
@@ -324,68 +363,100 @@ static int parse_record(struct plan_reader * r, struct empanel_program * prog, s
             field_u64(r, &d.offset, 10) != 0 || field_u64(r, &d.expert_size, 10) != 0 || *r->pos == '\0') {
             goto bad;
         }
-        parts->tensors      = grow(parts->tensors, prog->n_tensors, sizeof(*parts->tensors));
-        prog->tensor_names  = grow(prog->tensor_names, prog->n_tensors, sizeof(char *));
-        prog->tensor_names[prog->n_tensors] = strdup(rest_of_line(r));
-        d.name = prog->tensor_names[prog->n_tensors];
+        struct empanel_tensor_desc * tensors = grow(parts->tensors, prog->n_tensors, sizeof(*parts->tensors));
+        if (tensors != NULL) {
+            parts->tensors = tensors;
+        }
+        char ** names = tensors != NULL ? grow(prog->tensor_names, prog->n_tensors, sizeof(char *)) : NULL;
+        if (names == NULL) {
+            goto oom;
+        }
+        prog->tensor_names = names;
+        if ((names[prog->n_tensors] = strdup(rest_of_line(r))) == NULL) {
+            goto oom;
+        }
+        d.name = names[prog->n_tensors];
         parts->tensors[prog->n_tensors++] = d;
+        parts->seen |= PLAN_TENSOR;
         return 0;
     }
     if (strcmp(kind, "order") == 0) {
         struct program_order o = {0};
         int32_t n_uses = 0;
-        if (field_i32(r, &o.layer, 0, prog->n_layer - 1) != 0 || field_i32(r, &o.n, 0, prog->n_expert) != 0) {
+        if (field_i32(r, &o.layer, 0, prog->n_layer - 1) != 0 || field_i32(r, &o.n, 1, prog->n_expert) != 0) {
             goto bad;
         }
-        o.experts = calloc((size_t) o.n + 1, sizeof(int32_t));
-        for (int32_t i = 0; i < o.n; i++) {
-            if (field_i32(r, &o.experts[i], 0, prog->n_expert - 1) != 0) {
-                free(o.experts);
+        struct program_order * orders = grow(prog->orders, prog->n_orders, sizeof(*prog->orders));
+        if (orders == NULL || (o.experts = calloc((size_t) o.n, sizeof(int32_t))) == NULL) {
+            if (orders != NULL) {
+                prog->orders = orders;
+            }
+            goto oom;
+        }
+        prog->orders = orders;
+        prog->orders[prog->n_orders++] = o; // owned by prog from here, filled below
+        struct program_order * at = &prog->orders[prog->n_orders - 1];
+        for (int32_t i = 0; i < at->n; i++) {
+            if (field_i32(r, &at->experts[i], 0, prog->n_expert - 1) != 0) {
                 goto bad;
             }
         }
-        if (field_i32(r, &n_uses, 0, o.n) != 0 || (n_uses != 0 && n_uses != o.n)) {
-            free(o.experts);
+        if (field_i32(r, &n_uses, 0, at->n) != 0 || (n_uses != 0 && n_uses != at->n)) {
             goto bad;
         }
         if (n_uses > 0) {
-            o.uses = calloc((size_t) n_uses, sizeof(uint32_t));
+            if ((at->uses = calloc((size_t) n_uses, sizeof(uint32_t))) == NULL) {
+                goto oom;
+            }
             for (int32_t i = 0; i < n_uses; i++) {
                 int32_t u = 0;
                 if (field_i32(r, &u, 0, INT32_MAX) != 0) {
-                    free(o.experts);
-                    free(o.uses);
                     goto bad;
                 }
-                o.uses[i] = (uint32_t) u;
+                at->uses[i] = (uint32_t) u;
             }
         }
-        prog->orders = grow(prog->orders, prog->n_orders, sizeof(*prog->orders));
-        prog->orders[prog->n_orders++] = o;
-        return 0;
+        goto fixed;
     }
     if (strcmp(kind, "digests") == 0) {
-        struct program_digests d = {0};
         const char * name = next_field(r);
-        if (name == NULL || field_i32(r, &d.n, 1, prog->n_expert) != 0) {
+        int32_t n = 0;
+        if (name == NULL || field_i32(r, &n, 1, prog->n_expert) != 0) {
             goto bad;
         }
-        d.digests = calloc((size_t) d.n, sizeof(uint64_t));
-        for (int32_t i = 0; i < d.n; i++) {
-            if (field_u64(r, &d.digests[i], 16) != 0) {
-                free(d.digests);
+        struct program_digests * all = grow(prog->digests, prog->n_digests, sizeof(*prog->digests));
+        if (all == NULL) {
+            goto oom;
+        }
+        prog->digests = all;
+        struct program_digests * d = &prog->digests[prog->n_digests];
+        d->n       = n;
+        d->name    = strdup(name);
+        d->digests = calloc((size_t) n, sizeof(uint64_t));
+        prog->n_digests++; // owned by prog from here (program_free frees a partial one)
+        if (d->name == NULL || d->digests == NULL) {
+            goto oom;
+        }
+        for (int32_t i = 0; i < n; i++) {
+            if (field_u64(r, &d->digests[i], 16) != 0) {
                 goto bad;
             }
         }
-        d.name = strdup(name);
-        prog->digests = grow(prog->digests, prog->n_digests, sizeof(*prog->digests));
-        prog->digests[prog->n_digests++] = d;
-        return 0;
+        goto fixed;
     }
     empanel_format_err(err, err_size, "%s:%d: unknown record '%s'", r->path, r->line_no, kind);
     return -1;
+fixed:
+    if (*r->pos != '\0') {
+        goto bad; // more fields than the record has
+    }
+    parts->seen |= seen;
+    return 0;
 bad:
     empanel_format_err(err, err_size, "%s:%d: a bad '%s' record", r->path, r->line_no, kind);
+    return -1;
+oom:
+    empanel_format_err(err, err_size, "%s:%d: out of memory", r->path, r->line_no);
     return -1;
 }
 
@@ -402,6 +473,11 @@ struct empanel_program * empanel_program_open(const char * plan_path, const char
     struct plan_reader r = { .f = f, .path = plan_path };
     struct empanel_program * prog = calloc(1, sizeof(*prog));
     struct plan_parts parts = {0};
+    if (prog == NULL) {
+        empanel_format_err(err, err_size, "%s: out of memory", plan_path);
+        fclose(f);
+        return NULL;
+    }
     int ended = 0;
     int64_t version = 0;
 
@@ -441,9 +517,9 @@ struct empanel_program * empanel_program_open(const char * plan_path, const char
         }
         ended = rc == 1;
     }
-    if (!ended || !parts.have_params || prog->n_slots == NULL || parts.n_paths == 0 || prog->n_tensors == 0) {
-        empanel_format_err(err, err_size, "%s: incomplete plan (no 'end', or params, slots, file or tensor records missing)",
-                plan_path);
+    if (!ended || (parts.seen & PLAN_REQUIRED) != PLAN_REQUIRED) {
+        empanel_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
+                           "model, file, shape, params, guess, subst, preload, slots, tensor)", plan_path);
         goto fail;
     }
 
@@ -536,8 +612,8 @@ struct empanel_pool * empanel_program_pool(struct empanel_program * prog) {
 
 // the counters of every paged layer as one JSON object (a line of the stats file)
 static void write_stats(const struct empanel_program * prog, FILE * out) {
-    fprintf(out, "{\"model\": \"%s\", \"seconds\": %.3f, \"masked_pools\": %d, \"layers\": {",
-            prog->label, (empanel_now_ns() - prog->t_open_ns) / 1e9, prog->n_masked);
+    fprintf(out, "{\"seconds\": %.3f, \"masked_pools\": %d, \"layers\": {",
+            (empanel_now_ns() - prog->t_open_ns) / 1e9, prog->n_masked);
     int first = 1;
     for (int32_t il = 0; il < prog->n_layer; il++) {
         if (prog->n_slots[il] <= 0) {
@@ -623,16 +699,17 @@ static const struct metric_def k_metrics[] = {
     { "empanel_slots_resident",      "gauge",   "Slots holding an expert."                                  },
 };
 
-static double metric_value(int32_t m, const struct empanel_layer_stats * s) {
+// metric m of a layer as Prometheus text: counts as integers (bytes pass 2^53 in long runs), times in s
+static void metric_value(struct text_out * t, int32_t m, const struct empanel_layer_stats * s) {
     switch (m) {
-        case 0:  return (double) s->hits;
-        case 1:  return (double) s->misses;
-        case 2:  return (double) s->bytes_read;
-        case 3:  return s->read_ns / 1e9;
-        case 4:  return s->remap_ns / 1e9;
-        case 5:  return (double) s->n_remaps;
-        case 6:  return (double) s->n_slots;
-        default: return (double) s->n_resident;
+        case 0:  text_add(t, "%" PRIu64, s->hits);          break;
+        case 1:  text_add(t, "%" PRIu64, s->misses);        break;
+        case 2:  text_add(t, "%" PRIu64, s->bytes_read);    break;
+        case 3:  text_add(t, "%.9f", s->read_ns / 1e9);     break;
+        case 4:  text_add(t, "%.9f", s->remap_ns / 1e9);    break;
+        case 5:  text_add(t, "%" PRIu64, s->n_remaps);      break;
+        case 6:  text_add(t, "%d", s->n_slots);             break;
+        default: text_add(t, "%d", s->n_resident);          break;
     }
 }
 
@@ -658,8 +735,9 @@ size_t empanel_program_metrics(char * buf, size_t size) {
                 }
                 struct empanel_layer_stats s;
                 empanel_stats_get(p->pool, il, &s);
-                text_add(&t, "%s{model=\"%s\",layer=\"%d\"} %.10g\n", k_metrics[m].name, p->label, il,
-                         metric_value(m, &s));
+                text_add(&t, "%s{model=\"%s\",layer=\"%d\"} ", k_metrics[m].name, p->label, il);
+                metric_value(&t, m, &s);
+                text_add(&t, "\n");
             }
         }
     }

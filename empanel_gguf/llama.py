@@ -93,7 +93,7 @@ class Llama(llama_cpp.Llama):
         if moe_slots is not None:
             plan = self._plan(index, moe_slots, moe_policy, moe_resident_layers, verbose)
         if plan is not None and kwargs.get("lora_path"):
-            _check_adapter(kwargs["lora_path"])
+            check_adapter(kwargs["lora_path"])
         if plan is None and not (moe_trace and index.is_moe):
             self._load_llama(model_path, args, kwargs)
             return
@@ -241,7 +241,7 @@ def _use_digests(index, experts, verbose):
     _notice(verbose, f"moe_verify: expert reads checked against the digests in {digests.default_path(index)}")
 
 
-def _check_adapter(lora_path):
+def check_adapter(lora_path):
     """A LoRA adapter may change the layers' attention, dense FFNs, shared experts and output, not
     the routed experts: their pools hold some experts only, and the adapter's expert deltas are
     indexed by expert id."""

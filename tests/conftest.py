@@ -22,13 +22,19 @@ def child_env(drop=(), **extra):
     return env
 
 
-def stop_process(proc, timeout=10):
-    """SIGTERM, then SIGKILL after `timeout` s: a test's server child never outlives the test."""
+def stop_process(proc, timeout=10, group=False):
+    """SIGTERM, then SIGKILL after `timeout` s: a test's server child never outlives the test.
+    group: proc leads a session of its own (start_new_session=True) and SIGKILL takes all of it,
+    so that a wrapper's own child (the real server) is not left behind."""
+    import signal
     import subprocess
 
     proc.terminate()
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
         proc.wait(timeout=10)

@@ -75,9 +75,40 @@ def test_split_args_takes_only_exact_options():
                                                 "--moe-io-threads", "4", "-n", "16"])
     assert ours == ["-ms", "25%", "--moe-policy=lru", "--moe-io-threads", "4"]
     assert theirs == ["-m", "a.gguf", "-p", "64", "-n", "16"]
-    flags = programs.program_flags(["-m", "a.gguf,b.gguf", "-c", "256", "--batch-size=64", "-np", "4"])
-    assert flags["model"] == ["a.gguf", "b.gguf"] and flags["ctx"] == "256"
-    assert flags["batch"] == "64" and flags["parallel"] == "4"
+    flags = programs.program_flags(["-m", "a,b.gguf", "-c", "256", "--batch-size=64", "--lora", "x.gguf"])
+    assert flags["model"] == ["a,b.gguf"] and flags["ctx"] == "256"  # a comma is a path's own
+    assert flags["batch"] == "64" and flags["lora"] == ["x.gguf"]
+    flags = programs.program_flags(["-m", "a.gguf,b.gguf", "-p", "512,1024", "-n", "128"], lists=True)
+    assert flags["model"] == ["a.gguf", "b.gguf"] and flags["n_prompt"] == "512"  # llama-bench's lists
+
+
+def test_program_without_a_model_runs_as_it_is():
+    proc = run_program("llama-bench", "--help")
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
+    assert "runs without slot pools" in proc.stderr
+
+
+def test_program_refuses_a_malformed_plan(tmp_path):
+    path = fixtures.write_fixture("qwen3moe-q4_0", tmp_path)
+    index = load_index(path)
+    good = plan_text(index, pool_setup(index, plan_slots(index, "25%")))
+    bench = programs.program_path("llama-bench")
+    shape = next(line for line in good.splitlines() if line.startswith("shape "))
+    params = next(line for line in good.splitlines() if line.startswith("params ")).split()
+    negative_budget = " ".join(params[:5] + ["-5"] + params[6:])  # strtoull would wrap it
+    cases = {
+        "a bad 'guess' record": good.replace("\nguess 1\n", "\nguess 1 7\n"),      # a field too many
+        "a bad 'shape' record": good.replace(shape, shape + "\n" + shape),         # twice
+        "incomplete plan": good.replace("\npreload 0\n", "\n"),                   # a required record missing
+        "a bad 'params' record": good.replace(" ".join(params), negative_budget),
+    }
+    for expected, text in cases.items():
+        assert text != good, expected
+        plan = tmp_path / "plan.txt"
+        plan.write_text(text)
+        proc = subprocess.run([bench, "-m", path, "-p", "8", "-n", "0", "-r", "1"], env=child_env(EMPANEL_PLAN=str(plan)),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode != 0 and expected in proc.stderr, (expected, proc.stderr[-1500:])
 
 
 def test_missing_program_says_how_to_build(model):
@@ -227,7 +258,8 @@ def llama_server(model, moe_slots, log, *extra, env_extra=None):
     cmd = [sys.executable, "-m", "empanel_gguf", "llama-server", "--moe-slots", moe_slots, "-m", model,
            "-np", "4", "-c", "2048", "-t", THREADS, "--host", "127.0.0.1", "--port", str(port), "--metrics", *extra]
     out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env_extra or {})), stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env_extra or {})), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -243,7 +275,7 @@ def llama_server(model, moe_slots, log, *extra, env_extra=None):
             time.sleep(0.2)
         yield base, proc
     finally:
-        stop_process(proc, timeout=20)
+        stop_process(proc, timeout=20, group=True)
         out.close()
 
 

@@ -86,18 +86,20 @@ def split_args(parser, argv):
     return ours, theirs
 
 
-# the program flags the plan needs, by llama.cpp's names (common/arg.cpp)
+# the program flags the plan needs (llama.cpp's names, common/arg.cpp; llama-bench's own)
 _MODEL_FLAGS = ("-m", "--model")
 _VALUE_FLAGS = {"-c": "ctx", "--ctx-size": "ctx", "-b": "batch", "--batch-size": "batch", "-ub": "ubatch",
                 "--ubatch-size": "ubatch", "-ngl": "ngl", "--gpu-layers": "ngl", "--n-gpu-layers": "ngl",
-                "-np": "parallel", "--parallel": "parallel"}
+                "-p": "n_prompt", "--n-prompt": "n_prompt", "-n": "n_gen", "--n-gen": "n_gen"}
+_LORA_FLAGS = ("--lora", "--lora-scaled")
 
 
-def program_flags(flags):
-    """The values of the flags the plan reads ({"model": [paths], "ctx": "4096", ...}) as the
-    program will see them: `-m X` or `--model=X` (llama-bench's lists, -m a,b, split), else
-    LLAMA_ARG_MODEL, LLAMA_ARG_CTX_SIZE and kin from the environment."""
-    found = {"model": []}
+def program_flags(flags, lists=False):
+    """The values of the flags the plan reads ({"model": [paths], "lora": [paths], "ctx": "4096",
+    ...}) as the program will see them: `-m X` or `--model=X`, else LLAMA_ARG_MODEL,
+    LLAMA_ARG_CTX_SIZE and kin from the environment. lists: llama-bench's comma-separated values
+    (-m a,b) are split, and the first value of the others is taken."""
+    found = {"model": [], "lora": []}
     i = 0
     while i < len(flags):
         flag = flags[i]
@@ -106,23 +108,41 @@ def program_flags(flags):
             i += 1
         elif i + 1 < len(flags):
             value = flags[i + 1]
-            i += 2 if (flag in _MODEL_FLAGS or flag in _VALUE_FLAGS) else 1
+            i += 2 if (flag in _MODEL_FLAGS or flag in _VALUE_FLAGS or flag in _LORA_FLAGS) else 1
         else:
             value = None
             i += 1
         if value is None:
             continue
         if flag in _MODEL_FLAGS:
-            found["model"] += [v for v in value.split(",") if v]
+            found["model"] += [v for v in value.split(",") if v] if lists else [value]
+        elif flag in _LORA_FLAGS:
+            found["lora"] += [v for v in value.split(",") if v]
         elif flag in _VALUE_FLAGS:
-            found[_VALUE_FLAGS[flag]] = value.split(",")[0]
+            found[_VALUE_FLAGS[flag]] = value.split(",")[0] if lists else value
     if not found["model"] and os.environ.get("LLAMA_ARG_MODEL"):
         found["model"] = [os.environ["LLAMA_ARG_MODEL"]]
     for key, env in (("ctx", "LLAMA_ARG_CTX_SIZE"), ("batch", "LLAMA_ARG_BATCH"), ("ubatch", "LLAMA_ARG_UBATCH"),
-                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS"), ("parallel", "LLAMA_ARG_N_PARALLEL")):
+                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS")):
         if key not in found and os.environ.get(env):
             found[key] = os.environ[env]
     return found
+
+
+def planned_n_ctx(name, values, shape):
+    """The context the program will make, as far as the plan can tell: -c (0: the model's
+    training context); else each program's own default: llama-server and llama-cli the training
+    context (llama.cpp may shrink it to fit), llama-perplexity 512, llama-bench -p + -n."""
+    from ..estimate import resolve_n_ctx
+
+    ctx = _int_or(values.get("ctx"), None)
+    if ctx is not None:
+        return resolve_n_ctx(shape, ctx)
+    if name == "llama-perplexity":
+        return 512
+    if name == "llama-bench":
+        return max(1, _int_or(values.get("n_prompt"), 512) + _int_or(values.get("n_gen"), 128))
+    return resolve_n_ctx(shape, 0)
 
 
 def _int_or(text, default):
@@ -133,32 +153,35 @@ def _int_or(text, default):
 
 
 def plan_for_program(name, args, flags):
-    """(plan text or None, notes): the plan of the program's model, None when it runs stock
-    (no slot pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
+    """A function stats_path -> the plan's text, or None when the program runs stock (no -m, no
+    slot pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
     from .. import digests as digest_files
-    from ..estimate import cli_n_ctx, model_shape
+    from ..estimate import model_shape
     from ..index import load_index
+    from ..llama import check_adapter
     from ..plan import parse_moe_slots, wants_preload
     from ..pools import pool_setup, preload_orders
     from ..profile import ProfileError, resolve
     from .options import moe_kwargs, plan_from_args
     from ..program_plan import plan_text
 
-    values = program_flags(flags)
+    values = program_flags(flags, lists=name == "llama-bench")
     models = values["model"]
-    if not models:
-        raise ValueError(f"no model: give {name} -m MODEL.gguf (downloads with -hf are not planned)")
+    if not models:  # --help, --version, -hf downloads: the program as it is
+        note(f"no -m MODEL given: {name} runs without slot pools (downloads with -hf are not planned)")
+        return None
     if len(models) > 1:
         note(f"{len(models)} models given: slot pools for {models[0]}, the others load as usual")
     index = load_index(models[0])
     moe_slots = parse_moe_slots(args.moe_slots if args.moe_slots is not None else "auto")
     shape = model_shape(index)
-    ctx = _int_or(values.get("ctx"), None)
-    kwargs = {"n_ctx": cli_n_ctx(shape, ctx), "n_batch": _int_or(values.get("batch"), 2048),
+    kwargs = {"n_ctx": planned_n_ctx(name, values, shape), "n_batch": _int_or(values.get("batch"), 2048),
               "n_ubatch": _int_or(values.get("ubatch"), 512), "n_gpu_layers": _int_or(values.get("ngl"), 0)}
     load = plan_from_args(index, args, moe_slots, kwargs)
     if load.moe_slots is None:
         return None
+    for adapter in values["lora"]:
+        check_adapter(adapter)
     moe = moe_kwargs(args)
     setup = pool_setup(index, load.plan, moe["moe_policy"], moe["moe_io_threads"], moe["moe_chunk_kb"],
                        moe["moe_direct_io"], False, moe["moe_guess"], moe["moe_prefetch"], moe["moe_subst"],
@@ -189,25 +212,33 @@ def plan_for_program(name, args, flags):
 
 
 def run_program(path, flags, env):
-    """Run the program in the foreground; its exit status. Ctrl-C reaches it (same process group)
-    and ends it as it ends alone; a SIGTERM to us is passed on."""
-    child = subprocess.Popen([str(path), *flags], env=env)
-    previous = {}
+    """Run the program in the foreground; its exit status (128 + N when signal N ended it, as a
+    shell says). Ctrl-C reaches it (same process group) and ends it as it ends alone; a SIGTERM or
+    SIGHUP to us is passed on, and we wait for it to end."""
+    child = None
+    pending = []
 
     def forward(signum, frame):
-        child.send_signal(signum)
+        if child is None:
+            pending.append(signum)  # arrived before the program started
+        else:
+            child.send_signal(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        previous[signum] = signal.signal(signum, forward if signum == signal.SIGTERM else signal.SIG_IGN)
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return child.wait()
+        child = subprocess.Popen([str(path), *flags], env=env)
+        # after Popen: an ignored SIGINT would be inherited by the program
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in pending:
+            child.send_signal(signum)
+        rc = child.wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    return 128 - rc if rc < 0 else rc
 
 
 def main(name, argv=None):
-    from .._native import lib_dir, _shared_lib_name
     from ..guard import MemoryRefused
     from ..index import ModelError
     from ..pools import summary_line
@@ -222,27 +253,34 @@ def main(name, argv=None):
     except FileNotFoundError as e:
         print(f"empanel-gguf {name}: {e}", file=sys.stderr)
         return 1
-    try:
-        make_plan = plan_for_program(name, args, flags)
-    except (ModelError, SlotsError, ValueError, OSError) as e:
-        print(f"empanel-gguf {name}: {e}", file=sys.stderr)
-        return 1
-    except MemoryRefused as e:
-        print(f"empanel-gguf {name}: refused: {e}", file=sys.stderr)
-        return EXIT_MEMORY
-
-    env = dict(os.environ)
-    if make_plan is None:
-        note(f"{name} runs without slot pools")
-        return run_program(path, flags, env)
+    env = {k: v for k, v in os.environ.items() if k not in ("EMPANEL_PLAN", "EMPANEL_SIDECAR")}
     with tempfile.TemporaryDirectory(prefix="empanel-plan-") as tmp:
         plan_path = Path(tmp) / "plan.txt"
         stats_path = Path(tmp) / "stats.jsonl"
-        plan_path.write_text(make_plan(stats_path))
+        try:
+            make_plan = plan_for_program(name, args, flags)
+            if make_plan is not None:
+                plan_path.write_text(make_plan(stats_path))
+        except (ModelError, SlotsError, ValueError, OSError) as e:
+            print(f"empanel-gguf {name}: {e}", file=sys.stderr)
+            return 1
+        except MemoryRefused as e:
+            print(f"empanel-gguf {name}: refused: {e}", file=sys.stderr)
+            return EXIT_MEMORY
+        if make_plan is None:
+            note(f"{name} runs without slot pools")
+            return run_program(path, flags, env)
+        # the program's libllama loads the libempanel next to itself (the same build)
         env["EMPANEL_PLAN"] = str(plan_path)
-        env["EMPANEL_SIDECAR"] = str(lib_dir() / _shared_lib_name("empanel"))
         rc = run_program(path, flags, env)
-        loads = read_stats(stats_path)
+        try:
+            loads = read_stats(stats_path)
+        except (OSError, ValueError) as e:
+            note(f"the program's statistics could not be read ({e})")
+            return rc
+    if not loads and rc == 0:
+        note(f"{name} never loaded the planned model (another -m, or another libllama on its library path): "
+             "it ran without slot pools")
     # llama.cpp's programs may first load the model without memory to size it (common's fit):
     # such a load never runs, and only the loads that did are reported
     ran = [stats for stats in loads if stats["total"]["n_remaps"] or stats["total"]["preloaded"]] or loads[-1:]
