@@ -4,6 +4,7 @@
 
 #include "empanel.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -252,6 +253,49 @@ int     empanel_compare_uint64(const void * a, const void * b);
 // guess.c: the live guess of a layer is spent by the remap of its n distinct experts (in
 // layer->distinct) for `call`: recall and read-ahead accounted
 void    empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call);
+
+// plan.c: the plan a program's sidecar reads (EMPANEL_PLAN; records described in plan.c)
+struct empanel_plan_order {
+    int32_t    layer;
+    int32_t    n;
+    int32_t  * experts;  // [n]
+    uint32_t * uses;     // [n] or NULL
+};
+
+struct empanel_plan_digests {
+    char     * name;
+    int32_t    n;
+    uint64_t * digests;  // [n]
+};
+
+struct empanel_plan {
+    char     model[PATH_MAX];       // real path of the first shard
+    char     stats_path[PATH_MAX];  // where each load's counters go ("": nowhere)
+    int32_t  n_layer;
+    int32_t  n_expert;
+    int32_t  n_expert_used;
+    int32_t  guess_depth;
+    int32_t  subst_alt;
+    int      preload;
+    int32_t * n_slots;                          // [n_layer]
+    char   ** paths;                            // [n_paths] the shards
+    int32_t   n_paths;
+    struct empanel_tensor_desc * tensors;       // [n_tensors], names in tensor_names
+    char   ** tensor_names;                     // [n_tensors]
+    int32_t   n_tensors;
+    struct empanel_plan_order   * orders;       // [n_orders]
+    int32_t                       n_orders;
+    struct empanel_plan_digests * digests;      // [n_digests]
+    int32_t                       n_digests;
+    struct empanel_pool_params    params;
+    int       seen;                             // records read (plan.c's enum plan_record)
+};
+
+// the plan at plan_path for a load of model_path: 1 read into plan; 0 it is another model's (plan
+// empty, err ""); -1 it cannot be used (err says why). Free a read plan with empanel_plan_free.
+int  empanel_plan_read(const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
+                       size_t err_size);
+void empanel_plan_free(struct empanel_plan * plan);
 
 // files.c
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);

@@ -226,7 +226,7 @@ EMPANEL_API int32_t empanel_pool_watching(struct empanel_pool * pool);
 
 // llama.cpp's programs (llama-server, llama-cli, llama-bench, llama-perplexity): `empanel-gguf
 // llama-server ...` writes the plan to a file (empanel_gguf/program_plan.py; its records are
-// described in csrc/program.c) and runs the program with EMPANEL_PLAN=<that file>; libllama's
+// described in csrc/plan.c) and runs the program with EMPANEL_PLAN=<that file>; libllama's
 // program hook loads this library (the one next to it, or EMPANEL_SIDECAR) and calls these
 // around each model load.
 struct empanel_program;

@@ -1,10 +1,10 @@
-"""The plan handed to llama.cpp's own programs: the file that csrc/program.c reads (EMPANEL_PLAN).
+"""The plan handed to llama.cpp's own programs: the file that csrc/plan.c reads (EMPANEL_PLAN).
 
     text = plan_text(index, setup, preload=True, orders=..., digests=..., stats_path=...)
 
 A plan is what ExpertPools would make in this process (pools.pool_setup), written down for a
 llama-server, llama-cli, llama-bench or llama-perplexity process: its libllama hands the file to
-the sidecar at the load of the model the plan names. The records are described in csrc/program.c;
+the sidecar at the load of the model the plan names. The records are described in csrc/plan.c;
 the plan lives as long as the program runs (commands/programs.py writes it into a temporary
 folder) and is never a model file.
 """
@@ -14,7 +14,7 @@ import os
 
 from .pools import layer_stats
 
-PLAN_VERSION = 1  # EMPANEL_PLAN_VERSION in csrc/program.c
+PLAN_VERSION = 1  # EMPANEL_PLAN_VERSION in csrc/plan.c
 
 
 def _mtime_ns(path):

@@ -38,3 +38,35 @@ def stop_process(proc, timeout=10, group=False):
         else:
             proc.kill()
         proc.wait(timeout=10)
+
+
+def free_port():
+    """A loopback TCP port free right now (for a server child to listen on)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(proc, url, log, timeout, what="server"):
+    """Poll url until it answers 200; pytest.fail (with the log's tail) if proc exits first or
+    `timeout` s pass."""
+    import time
+    import urllib.request
+
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{Path(log).read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not answer within {timeout} s:\n{Path(log).read_text()[-3000:]}")
+        time.sleep(0.2)

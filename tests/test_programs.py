@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import child_env, stop_process
+from conftest import child_env, free_port, stop_process, wait_until_serving
 
 from empanel_gguf import fixtures
 from empanel_gguf.commands import programs
@@ -244,12 +244,6 @@ def test_plan_for_another_model_loads_it_as_usual(model, tmp_path):
 # -- llama-server ---------------------------------------------------------------------------------
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def llama_server(model, moe_slots, log, *extra, env_extra=None):
     """`empanel-gguf llama-server` on a free loopback port; yields (base URL, process); always
@@ -257,26 +251,15 @@ def llama_server(model, moe_slots, log, *extra, env_extra=None):
     port = free_port()
     cmd = [sys.executable, "-m", "empanel_gguf", "llama-server", "--moe-slots", moe_slots, "-m", model,
            "-np", "4", "-c", "2048", "-t", THREADS, "--host", "127.0.0.1", "--port", str(port), "--metrics", *extra]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env_extra or {})), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env_extra or {})), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}:\n{Path(log).read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                pytest.fail(f"llama-server did not answer within {START_TIMEOUT} s:\n{Path(log).read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_until_serving(proc, f"{base}/health", log, START_TIMEOUT, what="llama-server")
         yield base, proc
     finally:
         stop_process(proc, timeout=20, group=True)
-        out.close()
 
 
 PROMPTS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY:"]

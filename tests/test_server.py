@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import child_env, stop_process
+from conftest import child_env, free_port, stop_process, wait_until_serving
 
 for _name in ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings"):
     pytest.importorskip(_name, reason='llama_cpp.server extras missing: pip install "empanel-gguf[server]"')
@@ -36,12 +36,6 @@ REQUEST_TIMEOUT = 30
 SERVER_DEFAULTS = dict(repeat_penalty=1.1, top_k=40, top_p=0.95, min_p=0.05)
 PROMPT = "Hello"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(**extra):
@@ -68,18 +62,7 @@ def running_server(model, moe_slots, log):
         proc = subprocess.Popen(cmd, cwd=REPO, env=server_env(), stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if get(f"{base}/v1/models", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not answer within {START_TIMEOUT} s:\n{log.read_text()}")
-            time.sleep(0.2)
+        wait_until_serving(proc, f"{base}/v1/models", log, START_TIMEOUT)
         yield base
         assert proc.poll() is None, f"the server died:\n{log.read_text()}"
     finally:

@@ -1,0 +1,450 @@
+// The plan file of llama.cpp's programs (see program.c): written by empanel_gguf/program_plan.py,
+// read here into a struct empanel_plan.
+//
+// The plan file: one record per line, fields separated by one space, a path always last (it may
+// hold spaces). Written by empanel_gguf/program_plan.py; every record is required except order,
+// digests and stats, and `end` closes it (a truncated plan is refused).
+//
+//   empanel-plan <version>
+//   model <realpath of the first shard>
+//   file <size> <mtime_ns> <path>                 one per shard, in shard order
+//   shape <n_layer> <n_expert> <n_expert_used>
+//   params <n_threads> <chunk_bytes> <direct_io> <policy> <budget_bytes> <prefetch> <subst_ratio> <verify>
+//   guess <depth>                                 0: no gate-ahead guess
+//   subst <n_alt>                                 0: no routing substitution
+//   preload <0|1>
+//   slots <n_slots of layer 0> ... <of layer n_layer-1>
+//   tensor <layer> <file> <offset> <expert_size> <name>
+//   order <layer> <n> <expert>... <n_uses: 0 or n> <uses>...
+//   digests <name> <n_expert> <hex digest>...
+//   stats <path>                                  JSON lines, one object per load, at its end
+//   end
+
+#include "empanel.h"
+#include "empanel-impl.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define EMPANEL_PLAN_VERSION 1
+
+// the plan being read: its file, the current line and where in it the next field starts
+struct plan_reader {
+    FILE   * f;
+    char   * line;
+    size_t   cap;
+    char   * pos;
+    int      line_no;
+    const char * path;
+};
+
+static int next_line(struct plan_reader * r) {
+    ssize_t n = getline(&r->line, &r->cap, r->f);
+    if (n < 0) {
+        return 0;
+    }
+    while (n > 0 && (r->line[n - 1] == '\n' || r->line[n - 1] == '\r')) {
+        r->line[--n] = '\0';
+    }
+    r->pos = r->line;
+    r->line_no++;
+    return 1;
+}
+
+// the next space-separated field (NUL-terminated in place), or NULL at the end of the line
+static char * next_field(struct plan_reader * r) {
+    if (r->pos == NULL || *r->pos == '\0') {
+        return NULL;
+    }
+    char * field = r->pos;
+    char * space = strchr(field, ' ');
+    if (space != NULL) {
+        *space = '\0';
+        r->pos = space + 1;
+    } else {
+        r->pos = field + strlen(field);
+    }
+    return field;
+}
+
+// the rest of the line (a path)
+static char * rest_of_line(struct plan_reader * r) {
+    char * rest = r->pos;
+    r->pos = rest + strlen(rest);
+    return rest;
+}
+
+static int field_i64(struct plan_reader * r, int64_t * out) {
+    char * text = next_field(r);
+    if (text == NULL) {
+        return -1;
+    }
+    char * end = NULL;
+    errno = 0;
+    long long v = strtoll(text, &end, 10);
+    if (errno != 0 || end == text || *end != '\0') {
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int field_u64(struct plan_reader * r, uint64_t * out, int base) {
+    char * text = next_field(r);
+    if (text == NULL || text[0] == '-' || text[0] == '+') { // strtoull would wrap a negative
+        return -1;
+    }
+    char * end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, base);
+    if (errno != 0 || end == text || *end != '\0') {
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int field_i32(struct plan_reader * r, int32_t * out, int32_t lo, int32_t hi) {
+    int64_t v = 0;
+    if (field_i64(r, &v) != 0 || v < lo || v > hi) {
+        return -1;
+    }
+    *out = (int32_t) v;
+    return 0;
+}
+
+static int field_f32(struct plan_reader * r, float * out) {
+    char * text = next_field(r);
+    if (text == NULL) {
+        return -1;
+    }
+    char * end = NULL;
+    *out = strtof(text, &end);
+    return end == text || *end != '\0' ? -1 : 0;
+}
+
+static void * grow(void * ptr, int32_t n, size_t size) {
+    return realloc(ptr, (size_t) (n + 1) * size);
+}
+
+// the records a plan must hold (struct empanel_plan.seen)
+enum plan_record {
+    PLAN_MODEL   = 1 << 0,
+    PLAN_FILE    = 1 << 1,
+    PLAN_SHAPE   = 1 << 2,
+    PLAN_PARAMS  = 1 << 3,
+    PLAN_GUESS   = 1 << 4,
+    PLAN_SUBST   = 1 << 5,
+    PLAN_PRELOAD = 1 << 6,
+    PLAN_SLOTS   = 1 << 7,
+    PLAN_TENSOR  = 1 << 8,
+    PLAN_REQUIRED = (1 << 9) - 1,
+};
+
+// one record of the plan into plan; 0, 1 at `end`, -1 on a bad record (err says which).
+// Records of a fixed shape must end where their last field does; shape comes once, before the
+// records whose sizes it gives.
+static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    const char * kind = next_field(r);
+    int seen = 0;
+    if (kind == NULL) {
+        return 0; // blank line
+    }
+    if (strcmp(kind, "end") == 0) {
+        return 1;
+    }
+    if (strcmp(kind, "model") == 0) {
+        snprintf(plan->model, sizeof(plan->model), "%s", rest_of_line(r));
+        plan->seen |= PLAN_MODEL;
+        return 0;
+    }
+    if (strcmp(kind, "stats") == 0) {
+        snprintf(plan->stats_path, sizeof(plan->stats_path), "%s", rest_of_line(r));
+        return 0;
+    }
+    if (strcmp(kind, "file") == 0) {
+        uint64_t size = 0;
+        int64_t  mtime_ns = 0;
+        if (field_u64(r, &size, 10) != 0 || field_i64(r, &mtime_ns) != 0 || *r->pos == '\0') {
+            goto bad;
+        }
+        const char * path = rest_of_line(r);
+        struct stat st;
+        if (stat(path, &st) != 0) {
+            empanel_format_err(err, err_size, "%s: %s", path, strerror(errno));
+            return -1;
+        }
+#if defined(__APPLE__)
+        const int64_t now_ns = (int64_t) st.st_mtimespec.tv_sec * 1000000000 + st.st_mtimespec.tv_nsec;
+#else
+        const int64_t now_ns = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+#endif
+        if ((uint64_t) st.st_size != size || now_ns != mtime_ns) {
+            empanel_format_err(err, err_size, "%s changed since empanel-gguf planned the load (size or mtime); run the "
+                    "command again", path);
+            return -1;
+        }
+        char ** paths = grow(plan->paths, plan->n_paths, sizeof(char *));
+        if (paths == NULL) {
+            goto oom;
+        }
+        plan->paths = paths;
+        if ((plan->paths[plan->n_paths] = strdup(path)) == NULL) {
+            goto oom;
+        }
+        plan->n_paths++;
+        plan->seen |= PLAN_FILE;
+        return 0;
+    }
+    if (strcmp(kind, "shape") == 0) {
+        if ((plan->seen & PLAN_SHAPE) || field_i32(r, &plan->n_layer, 1, 1 << 16) != 0 ||
+            field_i32(r, &plan->n_expert, 1, 1 << 16) != 0 || field_i32(r, &plan->n_expert_used, 1, 1 << 16) != 0) {
+            goto bad;
+        }
+        seen = PLAN_SHAPE;
+        goto fixed;
+    }
+    if (strcmp(kind, "params") == 0) {
+        struct empanel_pool_params * p = &plan->params;
+        int64_t chunk = 0;
+        if (field_i32(r, &p->n_threads, 0, INT32_MAX) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 ||
+            chunk > UINT32_MAX || field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
+            field_u64(r, &p->budget_bytes, 10) != 0 || field_i32(r, &p->prefetch, 0, INT32_MAX) != 0 ||
+            field_f32(r, &p->subst_ratio) != 0 || !(p->subst_ratio >= 0.0f && p->subst_ratio <= 1.0f) ||
+            field_i32(r, &p->verify, 0, 1) != 0) {
+            goto bad;
+        }
+        p->chunk_bytes = (uint32_t) chunk;
+        seen = PLAN_PARAMS;
+        goto fixed;
+    }
+    if (strcmp(kind, "guess") == 0) {
+        if (field_i32(r, &plan->guess_depth, 0, 1 << 16) != 0) {
+            goto bad;
+        }
+        seen = PLAN_GUESS;
+        goto fixed;
+    }
+    if (strcmp(kind, "subst") == 0) {
+        if (field_i32(r, &plan->subst_alt, 0, 1 << 16) != 0) {
+            goto bad;
+        }
+        seen = PLAN_SUBST;
+        goto fixed;
+    }
+    if (strcmp(kind, "preload") == 0) {
+        if (field_i32(r, &plan->preload, 0, 1) != 0) {
+            goto bad;
+        }
+        seen = PLAN_PRELOAD;
+        goto fixed;
+    }
+    if (!(plan->seen & PLAN_SHAPE)) { // the records below are sized by it
+        empanel_format_err(err, err_size, "%s:%d: '%s' before 'shape'", r->path, r->line_no, kind);
+        return -1;
+    }
+    if (strcmp(kind, "slots") == 0) {
+        if (plan->n_slots != NULL) {
+            goto bad;
+        }
+        if ((plan->n_slots = calloc((size_t) plan->n_layer, sizeof(int32_t))) == NULL) {
+            goto oom;
+        }
+        for (int32_t il = 0; il < plan->n_layer; il++) {
+            if (field_i32(r, &plan->n_slots[il], -1, plan->n_expert) != 0) {
+                goto bad;
+            }
+        }
+        seen = PLAN_SLOTS;
+        goto fixed;
+    }
+    if (strcmp(kind, "tensor") == 0) {
+        struct empanel_tensor_desc d = {0};
+        if (field_i32(r, &d.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &d.file, 0, INT32_MAX) != 0 ||
+            field_u64(r, &d.offset, 10) != 0 || field_u64(r, &d.expert_size, 10) != 0 || *r->pos == '\0') {
+            goto bad;
+        }
+        struct empanel_tensor_desc * tensors = grow(plan->tensors, plan->n_tensors, sizeof(*plan->tensors));
+        if (tensors != NULL) {
+            plan->tensors = tensors;
+        }
+        char ** names = tensors != NULL ? grow(plan->tensor_names, plan->n_tensors, sizeof(char *)) : NULL;
+        if (names == NULL) {
+            goto oom;
+        }
+        plan->tensor_names = names;
+        if ((names[plan->n_tensors] = strdup(rest_of_line(r))) == NULL) {
+            goto oom;
+        }
+        d.name = names[plan->n_tensors];
+        plan->tensors[plan->n_tensors++] = d;
+        plan->seen |= PLAN_TENSOR;
+        return 0;
+    }
+    if (strcmp(kind, "order") == 0) {
+        struct empanel_plan_order o = {0};
+        int32_t n_uses = 0;
+        if (field_i32(r, &o.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &o.n, 1, plan->n_expert) != 0) {
+            goto bad;
+        }
+        struct empanel_plan_order * orders = grow(plan->orders, plan->n_orders, sizeof(*plan->orders));
+        if (orders == NULL || (o.experts = calloc((size_t) o.n, sizeof(int32_t))) == NULL) {
+            if (orders != NULL) {
+                plan->orders = orders;
+            }
+            goto oom;
+        }
+        plan->orders = orders;
+        plan->orders[plan->n_orders++] = o; // owned by plan from here, filled below
+        struct empanel_plan_order * at = &plan->orders[plan->n_orders - 1];
+        for (int32_t i = 0; i < at->n; i++) {
+            if (field_i32(r, &at->experts[i], 0, plan->n_expert - 1) != 0) {
+                goto bad;
+            }
+        }
+        if (field_i32(r, &n_uses, 0, at->n) != 0 || (n_uses != 0 && n_uses != at->n)) {
+            goto bad;
+        }
+        if (n_uses > 0) {
+            if ((at->uses = calloc((size_t) n_uses, sizeof(uint32_t))) == NULL) {
+                goto oom;
+            }
+            for (int32_t i = 0; i < n_uses; i++) {
+                int32_t u = 0;
+                if (field_i32(r, &u, 0, INT32_MAX) != 0) {
+                    goto bad;
+                }
+                at->uses[i] = (uint32_t) u;
+            }
+        }
+        goto fixed;
+    }
+    if (strcmp(kind, "digests") == 0) {
+        const char * name = next_field(r);
+        int32_t n = 0;
+        if (name == NULL || field_i32(r, &n, 1, plan->n_expert) != 0) {
+            goto bad;
+        }
+        struct empanel_plan_digests * all = grow(plan->digests, plan->n_digests, sizeof(*plan->digests));
+        if (all == NULL) {
+            goto oom;
+        }
+        plan->digests = all;
+        struct empanel_plan_digests * d = &plan->digests[plan->n_digests];
+        d->n       = n;
+        d->name    = strdup(name);
+        d->digests = calloc((size_t) n, sizeof(uint64_t));
+        plan->n_digests++; // owned by plan from here (empanel_plan_free frees a partial one)
+        if (d->name == NULL || d->digests == NULL) {
+            goto oom;
+        }
+        for (int32_t i = 0; i < n; i++) {
+            if (field_u64(r, &d->digests[i], 16) != 0) {
+                goto bad;
+            }
+        }
+        goto fixed;
+    }
+    empanel_format_err(err, err_size, "%s:%d: unknown record '%s'", r->path, r->line_no, kind);
+    return -1;
+fixed:
+    if (*r->pos != '\0') {
+        goto bad; // more fields than the record has
+    }
+    plan->seen |= seen;
+    return 0;
+bad:
+    empanel_format_err(err, err_size, "%s:%d: a bad '%s' record", r->path, r->line_no, kind);
+    return -1;
+oom:
+    empanel_format_err(err, err_size, "%s:%d: out of memory", r->path, r->line_no);
+    return -1;
+}
+
+void empanel_plan_free(struct empanel_plan * plan) {
+    for (int32_t i = 0; i < plan->n_paths; i++) {
+        free(plan->paths[i]);
+    }
+    free(plan->paths);
+    free(plan->tensors);
+    for (int32_t i = 0; i < plan->n_tensors; i++) {
+        free(plan->tensor_names[i]);
+    }
+    free(plan->tensor_names);
+    for (int32_t i = 0; i < plan->n_orders; i++) {
+        free(plan->orders[i].experts);
+        free(plan->orders[i].uses);
+    }
+    free(plan->orders);
+    for (int32_t i = 0; i < plan->n_digests; i++) {
+        free(plan->digests[i].name);
+        free(plan->digests[i].digests);
+    }
+    free(plan->digests);
+    free(plan->n_slots);
+    memset(plan, 0, sizeof(*plan));
+}
+
+int empanel_plan_read(const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
+                      size_t err_size) {
+    memset(plan, 0, sizeof(*plan));
+    empanel_format_err(err, err_size, "%s", "");
+    FILE * f = fopen(plan_path, "r");
+    if (f == NULL) {
+        empanel_format_err(err, err_size, "the plan %s: %s", plan_path, strerror(errno));
+        return -1;
+    }
+    struct plan_reader r = { .f = f, .path = plan_path };
+    int rc = -1;
+    int ended = 0;
+    int64_t version = 0;
+
+    // the header and the model first: a load of another model (a draft model) takes no plan
+    const char * magic = next_line(&r) ? next_field(&r) : NULL;
+    if (magic == NULL || strcmp(magic, "empanel-plan") != 0 || field_i64(&r, &version) != 0) {
+        empanel_format_err(err, err_size, "%s is not an empanel plan", plan_path);
+        goto done;
+    }
+    if (version != EMPANEL_PLAN_VERSION) {
+        empanel_format_err(err, err_size, "%s: plan version %" PRId64 ", this sidecar reads version %d (the package and "
+                "its libraries are from different builds)", plan_path, version, EMPANEL_PLAN_VERSION);
+        goto done;
+    }
+    if (!next_line(&r) || parse_record(&r, plan, err, err_size) != 0 || plan->model[0] == '\0') {
+        empanel_format_err(err, err_size, "%s:%d: the second record must be 'model'", plan_path, r.line_no);
+        goto done;
+    }
+    char resolved[PATH_MAX];
+    if (realpath(model_path, resolved) == NULL || strcmp(resolved, plan->model) != 0) {
+        rc = 0; // not the planned model: it loads as usual
+        goto done;
+    }
+    while (!ended && next_line(&r)) {
+        int got = parse_record(&r, plan, err, err_size);
+        if (got < 0) {
+            goto done;
+        }
+        ended = got == 1;
+    }
+    if (!ended || (plan->seen & PLAN_REQUIRED) != PLAN_REQUIRED) {
+        empanel_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
+                           "model, file, shape, params, guess, subst, preload, slots, tensor)", plan_path);
+        goto done;
+    }
+    rc = 1;
+done:
+    if (rc != 1) {
+        empanel_plan_free(plan);
+    }
+    if (rc < 0 && err != NULL && err_size > 0 && err[0] == '\0') {
+        empanel_format_err(err, err_size, "%s: could not be read", plan_path);
+    }
+    free(r.line);
+    fclose(f);
+    return rc;
+}
