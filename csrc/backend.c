@@ -116,3 +116,12 @@ int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, 
     ggml_backend_tensor_set(t, data, (size_t) slot * t->nb[2], size); // device memory
     return 0;
 }
+
+int32_t empanel_offload_devices(void) {
+    int32_t n = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        n += type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU;
+    }
+    return n;
+}

@@ -28,6 +28,12 @@ struct empanel_tensor {
                             // (or being read); equals the layer's expert_in outside of waves
     uint64_t * digest;      // [n_expert] XXH3-64 of each expert's file bytes, 0: not known yet
                             // (taken at its first read); NULL: reads are not verified
+    int        remote;      // the pool is on an RPC host (rpc.c): writes go by hash first
+    int        remote_cache;   // its host keeps what it is sent (rpc-server -c): 1 yes or not known
+                               // yet, 0 no (it refused a hash it was sent)
+    uint64_t * remote_hash;    // [n_expert] FNV-1a of each expert's bytes as the host's cache
+                               // names them, 0: not known yet; NULL unless remote
+    uint8_t  * remote_sent;    // [n_expert] 1: sent to the host with the cache flag by this process
 };
 
 struct empanel_layer {
@@ -101,6 +107,7 @@ struct empanel_read_job {
                             //    (host pools: CPU_REPACK); 2: by the caller after the batch (device)
     atomic_int chunks_left;
     uint64_t   verify_ns;   // time its thread took to hash it (moe_verify)
+    uint64_t   remote_hash; // RPC pools: FNV-1a of the bytes read, taken by the thread landing them
 };
 
 // one read request: file bytes [offset, offset + length) of which [skip, skip + payload) go to
@@ -232,6 +239,16 @@ void    empanel_staging_release(void * buffer);
 // one expert's bytes as stored in the GGUF (nb[2] bytes) into slot `slot`: copied, repacked
 // (CPU_REPACK) or sent to the device; 0 on success
 int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);
+
+// rpc.c: pools on RPC hosts (ggml-rpc with patch 0008)
+// 1: the pool tensor lives in an RPC server's buffer
+int      empanel_rpc_tensor(void * pool_tensor);
+// the hash an rpc-server's cache names the bytes by (never 0)
+uint64_t empanel_rpc_hash(const void * data, uint64_t size);
+// slot `slot` from the host's cache: 1 it had the bytes of `hash` and wrote them, 0 it did not
+int      empanel_rpc_write_by_hash(void * pool_tensor, int32_t slot, uint64_t hash);
+// the bytes into slot `slot`, kept in the host's cache if it has one; 0 or -1
+int      empanel_rpc_write_cached(void * pool_tensor, int32_t slot, const void * data, uint64_t size);
 
 // remap.c: the remap's steps that preload.c and guess.c share
 // the slot in [begin, end) to evict, among those whose mark is not `taken` (-1 if none)

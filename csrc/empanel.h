@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 8
+#define EMPANEL_SIDECAR_VERSION 9
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -88,6 +88,9 @@ struct empanel_layer_stats {
     uint64_t substituted;  // (token, expert) pairs whose expert was not resident and got a stand-in
     uint64_t verified;     // expert tensors read whose bytes were checked against a digest
     uint64_t verify_ns;    // time the reader threads spent hashing them (summed over threads)
+    uint64_t remote_by_hash; // expert tensors an RPC host wrote into its pool from its cache,
+                             // asked by hash: nothing read here, 8 bytes sent instead of the
+                             // expert (copy_bytes counts the experts sent over the wire)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };
@@ -210,6 +213,20 @@ EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struc
 EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
+
+// devices llama.cpp can offload layers to (GPUs, and the devices of registered RPC servers)
+EMPANEL_API int32_t empanel_offload_devices(void);
+
+// ggml's RPC backend (csrc/rpc.c): 1 if this build has it
+EMPANEL_API int32_t empanel_rpc_supported(void);
+// register the devices of RPC servers "HOST:PORT,HOST:PORT,..." (ggml-rpc-server) before a model
+// load, as llama.cpp's --rpc does; llama.cpp then places offloaded layers on them (and their
+// pools). Each server is tried first, so an unreachable one is an error, not an abort. Returns
+// the number of devices newly registered (an endpoint registered before counts 0), or -1 with
+// the reason in err.
+EMPANEL_API int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size);
+// bytes this process sent to and received from RPC servers so far (0 without RPC)
+EMPANEL_API void    empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received);
 
 // XXH3-64 of n bytes (the digest of verified reads), 1 where XXH3 gives 0: a digest is never 0
 EMPANEL_API uint64_t empanel_hash64(const void * data, uint64_t n);

@@ -125,6 +125,8 @@ static void layer_free(struct empanel_layer * layer) {
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         free(layer->tensors[i].held);
         free(layer->tensors[i].digest);
+        free(layer->tensors[i].remote_hash);
+        free(layer->tensors[i].remote_sent);
     }
 }
 
@@ -487,6 +489,16 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
             t->direct = empanel_slot_data(pool_tensor, 0) != NULL;
             t->masked = llama_empanel_pool_masked(pool_tensor);
             t->host   = empanel_pool_host_data(pool_tensor);
+            t->remote = empanel_rpc_tensor(pool_tensor);
+            if (t->remote && t->remote_hash == NULL) {
+                t->remote_cache = 1;
+                t->remote_hash  = calloc((size_t) pool->n_expert, sizeof(uint64_t)); // [n_expert]
+                t->remote_sent  = calloc((size_t) pool->n_expert, sizeof(uint8_t));  // [n_expert]
+                if (t->remote_hash == NULL || t->remote_sent == NULL) {
+                    empanel_set_error(pool, "%s: out of memory", name);
+                    return -1;
+                }
+            }
             if (t->host == NULL && pool->staging_owner == NULL) {
                 empanel_staging_free(pool);         // reads bound for device memory: pinned staging
                 pool->staging_owner = pool_tensor;

@@ -168,11 +168,11 @@ static void write_stats(const struct empanel_program * prog, FILE * out) {
             ", \"n_waves\": %" PRIu64 ", \"preloaded\": %" PRIu64 ", \"guessed\": %" PRIu64 ", \"guess_routed\": %" PRIu64
             ", \"guess_hits\": %" PRIu64 ", \"prefetched\": %" PRIu64 ", \"prefetch_used\": %" PRIu64
             ", \"prefetch_wasted\": %" PRIu64 ", \"substituted\": %" PRIu64 ", \"verified\": %" PRIu64
-            ", \"verify_ns\": %" PRIu64 ", \"n_slots\": %d, \"n_resident\": %d}",
+            ", \"verify_ns\": %" PRIu64 ", \"remote_by_hash\": %" PRIu64 ", \"n_slots\": %d, \"n_resident\": %d}",
             first ? "" : ", ", il, s.n_remaps, s.n_ids, s.hits, s.misses, s.bytes_read, s.io_bytes, s.n_reads,
             s.read_ns, s.write_ns, s.copy_bytes, s.remap_ns, s.wait_ns, s.n_waves, s.preloaded, s.guessed,
             s.guess_routed, s.guess_hits, s.prefetched, s.prefetch_used, s.prefetch_wasted, s.substituted,
-            s.verified, s.verify_ns, s.n_slots, s.n_resident);
+            s.verified, s.verify_ns, s.remote_by_hash, s.n_slots, s.n_resident);
         first = 0;
     }
     fprintf(out, "}}\n");

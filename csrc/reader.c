@@ -92,6 +92,45 @@ static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job)
     return 0;
 }
 
+// staging -> a slot on an RPC host (rpc.c): by hash if the host's cache holds these bytes (from
+// an earlier run), else the bytes, for the host to keep; sent bytes count in copy_bytes
+static int remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
+    struct empanel_tensor * t = job->tensor;
+    if (t->remote_cache && job->remote_hash != 0) {
+        t->remote_hash[job->expert] = job->remote_hash;
+        if (empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
+            layer->stats.remote_by_hash += 1;
+            return 0;
+        }
+        if (empanel_rpc_write_cached(t->pool, job->slot, job->dst, t->expert_size) == 0) {
+            t->remote_sent[job->expert] = 1;
+            layer->stats.copy_bytes += t->expert_size;
+            return 0;
+        }
+    } else if (empanel_slot_write(t->pool, job->slot, job->dst, t->expert_size) == 0) {
+        layer->stats.copy_bytes += t->expert_size;
+        return 0;
+    }
+    empanel_set_error(pool, "%s: writing expert %d into slot %d on its RPC host failed", t->name, job->expert, job->slot);
+    return -1;
+}
+
+// a miss on an RPC host's pool whose bytes the host may hold (sent before, or hashed at an
+// earlier read): 1 if the host wrote them into the slot from its cache, so nothing is read
+static int remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot) {
+    if (!t->remote || !t->remote_cache || t->remote_hash[expert] == 0) {
+        return 0;
+    }
+    if (empanel_rpc_write_by_hash(t->pool, slot, t->remote_hash[expert])) {
+        layer->stats.remote_by_hash += 1;
+        return 1;
+    }
+    if (t->remote_sent[expert]) {
+        t->remote_cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
+    }
+    return 0;
+}
+
 // staging -> slot (repack, or a copy to the device)
 static int convert_job(struct empanel_pool * pool, const struct empanel_read_job * job) {
     if (empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
@@ -132,6 +171,9 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
             atomic_store(&reader->batch_failed, 1); // skipped or failed: the batch is incomplete
         } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
+            if (job->tensor->remote && job->tensor->remote_cache) {
+                job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
+            }
             if ((job->tensor->digest != NULL && verify_job(reader->pool, job) != 0) ||
                 (job->convert == 1 && convert_job(reader->pool, job) != 0)) { // repack it now
                 atomic_store(&reader->batch_failed, 1);
@@ -406,12 +448,17 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     for (int32_t m = 0; m < n; m++) {
         for (int32_t i = t0; i < t1; i++) {
             struct empanel_tensor * t = &layer->tensors[i];
+            if (remote_by_hash(layer, t, experts[m], slots[m])) {
+                t->held[slots[m]] = experts[m]; // in place, nothing to read
+                continue;
+            }
             struct empanel_read_job * job = &pool->jobs[n_jobs];
             job->tensor  = t;
             job->expert  = experts[m];
             job->slot    = slots[m];
             job->dst     = empanel_slot_data(t->pool, slots[m]);
             job->convert = 0;
+            job->remote_hash = 0;
             if (!t->direct || job->dst == NULL) {
                 job->dst     = pool->staging + staged;
                 job->convert = t->host != NULL ? 1 : 2;
@@ -459,13 +506,20 @@ int empanel_read_finish(struct empanel_pool * pool) {
         return -1; // the batch's slots stay marked as holding nothing
     }
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        if (pool->jobs[j].convert != 2) {
+        const struct empanel_read_job * job = &pool->jobs[j];
+        if (job->convert != 2) {
             continue;
         }
-        if (convert_job(pool, &pool->jobs[j]) != 0) {
-            return -1; // device pools: written here, between the reads and the next kernel
+        // device pools: written here, between the reads and the next kernel
+        if (job->tensor->remote) {
+            if (remote_write_job(pool, layer, job) != 0) {
+                return -1;
+            }
+        } else if (convert_job(pool, job) != 0) {
+            return -1;
+        } else {
+            layer->stats.copy_bytes += job->tensor->expert_size;
         }
-        layer->stats.copy_bytes += pool->jobs[j].tensor->expert_size;
     }
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
         return -1; // a reader thread's conversion failed

@@ -14,6 +14,7 @@ COMMANDS = {
     "verify": "save (or check) the digest of every routed expert, for --moe-verify",
     "kl": "what routing substitution costs: KL divergence, top-1 agreement, reads saved",
     "bench": "benchmark against stock llama.cpp on the same model (synthetic or yours)",
+    "rpc-server": "llama.cpp's ggml-rpc-server: this host's backend for other hosts' --rpc",
 }
 
 # llama.cpp's own programs on slot pools (commands/programs.py); built with EMPANEL_PROGRAMS=ON
@@ -50,7 +51,7 @@ def main(argv=None):
     if command not in COMMANDS:
         print(f"empanel-gguf: unknown command '{command}'\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"empanel_gguf.commands.{command}")
+    module = importlib.import_module(f"empanel_gguf.commands.{command.replace('-', '_')}")
     return module.main(rest)
 
 

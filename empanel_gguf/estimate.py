@@ -181,8 +181,10 @@ def _gpu_layers(n_gpu_layers, n_layer):
 
 
 def _supports_gpu_offload():
+    """Whether layers can be offloaded now: a GPU, or a registered RPC server's device (a build
+    with the RPC backend but no servers keeps every layer here)."""
     try:
-        from . import llama_cpp
-        return bool(llama_cpp.llama_supports_gpu_offload())
+        from .rpc import offload_devices
+        return offload_devices() > 0
     except Exception:  # the estimate must not fail on a missing library
         return False

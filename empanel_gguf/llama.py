@@ -16,6 +16,7 @@ from .format import format_bytes
 from .index import ModelError, adapter_expert_tensors, load_index
 from .plan import wants_preload
 from .pools import ExpertPools, MoeReadError, summary_line
+from .rpc import add_servers as add_rpc_servers
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
 llama_cpp = use_our_libraries()
@@ -68,6 +69,11 @@ class Llama(llama_cpp.Llama):
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
+        rpc_servers: "HOST:PORT,..." of ggml-rpc-server processes (llama.cpp's --rpc; `empanel-gguf
+            rpc-server` starts one): their devices are registered before the load, and the
+            offloaded layers (n_gpu_layers, all by default when rpc_servers is given) go to them
+            with their slot pools; a miss writes the expert there, by hash once the host's cache
+            (rpc-server -c) has seen it. Outputs equal the same placement without slots.
         **kwargs: passed to llama_cpp.Llama unchanged (n_ubatch included: a micro-batch whose
             experts exceed the pools runs in waves that fit them, in every build).
     """
@@ -75,8 +81,12 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
-                 moe_verify=False, **kwargs):
+                 moe_verify=False, rpc_servers=None, **kwargs):
         self._experts = None
+        self.rpc_servers = None
+        if rpc_servers:
+            self.rpc_servers = add_rpc_servers(rpc_servers)  # before planning: it sees the devices
+            kwargs.setdefault("n_gpu_layers", -1)
         self.moe_slots = moe_slots    # as asked ("auto" resolved below)
         self.moe_policy = moe_policy
         self.moe_prefetch = moe_prefetch if moe_slots is not None else 0

@@ -20,8 +20,9 @@ from .host_memory import available_memory, default_floor
 from .sizing import DEFAULT_POLICY, SlotPlan, plan_slots
 
 # the Llama arguments the estimate reads, with llama-cpp-python's defaults
+# (gpu_offload: whether n_gpu_layers can offload; None: ask the build and its devices)
 ESTIMATE_KWARGS = {"n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "n_gpu_layers": 0, "logits_all": False,
-                   "flash_attn": False, "type_k": None, "type_v": None}
+                   "flash_attn": False, "type_k": None, "type_v": None, "gpu_offload": None}
 
 
 @dataclass

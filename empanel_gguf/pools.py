@@ -226,7 +226,7 @@ def _rate(hits, misses):
 RAW_COUNTERS = ("n_remaps", "n_waves", "n_ids", "hits", "misses", "bytes_read", "io_bytes", "n_reads", "read_ns",
                 "wait_ns", "write_ns", "copy_bytes", "remap_ns", "preloaded", "n_slots", "n_resident", "guessed",
                 "guess_routed", "guess_hits", "prefetched", "prefetch_used", "prefetch_wasted", "substituted",
-                "verified", "verify_ns")
+                "verified", "verify_ns", "remote_by_hash")
 
 
 def layer_stats(raw, n_masked=0):
@@ -282,7 +282,8 @@ def summary_line(stats):
     t = stats["total"]
     return (f"empanel: {t['hits']} hits, {t['misses']} misses ({100 * t['hit_rate']:.1f}% hit), "
             f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s ({t['read_gbps']:.2f} GB/s), "
-            f"{t['remap_s']:.3f} s in remap")
+            f"{t['remap_s']:.3f} s in remap"
+            + (f", {t['remote_by_hash']} expert tensors written by RPC hosts from their caches" if t["remote_by_hash"] else ""))
 
 
 class LabPool:

@@ -35,6 +35,7 @@ from .host_memory import available_memory, parse_floor, peak_rss
 from .plan import parse_moe_slots, plan_load
 from .sizing import DEFAULT_POLICY
 from .llama import Llama as EmpanelLlama
+from .rpc import add_servers as add_rpc_servers
 
 try:
     import llama_cpp.server.app as _app
@@ -87,6 +88,10 @@ class EmpanelModelSettings(ModelSettings):
                     "less is refused, and the server stops when less is left. Unset: max(1 GiB, 5%).")
     force: bool = Field(default=False,
                         description="Load even when the memory guard estimates that it does not fit.")
+    rpc_servers: Optional[str] = Field(
+        default=None,
+        description="HOST:PORT,... of ggml-rpc-server processes (llama.cpp's --rpc): the offloaded layers and "
+                    "their slot pools go to them (n_gpu_layers: all unless set).")
 
     @field_validator("moe_slots", "mem_floor", mode="before")
     @classmethod
@@ -142,11 +147,13 @@ class _LlamaCppWithSlots:
         return getattr(llama_cpp, name)
 
 
-def _llama_with_slots(moe_slots, **moe):
-    """Llama whose moe_slots (and, with slots, the other moe_* options) default to the settings'."""
+def _llama_with_slots(moe_slots, rpc_servers=None, **moe):
+    """Llama whose moe_slots and rpc_servers (and, with slots, the other moe_* options) default to
+    the settings'."""
     class Llama(EmpanelLlama):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("moe_slots", moe_slots)
+            kwargs.setdefault("rpc_servers", rpc_servers)
             if moe_slots is not None:
                 for key, value in moe.items():
                     kwargs.setdefault(key, value)
@@ -180,6 +187,11 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
         from .index import load_index
 
         alias = settings.model_alias or settings.model
+        rpc_servers = getattr(settings, "rpc_servers", None)
+        if rpc_servers:
+            add_rpc_servers(rpc_servers)  # before the estimate: it sees their devices
+            if "n_gpu_layers" not in settings.model_fields_set:
+                settings.n_gpu_layers = -1
         if settings.hf_model_repo_id is None and not settings.vocab_only:
             index = load_index(settings.model)
             load = plan_load(index, parse_moe_slots(getattr(settings, "moe_slots", None) or "auto"),
@@ -203,7 +215,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
 
         saved = _model.llama_cpp
         _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(
-            moe_slots, moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
+            moe_slots, rpc_servers=rpc_servers, moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
             moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
             moe_prefetch=getattr(settings, "moe_prefetch", 0),
             moe_subst=getattr(settings, "moe_subst", None),

@@ -254,5 +254,12 @@ def child_main(spec_path: str) -> int:
 
 
 def _total(llm):
+    """The pools' totals, and the bytes on the wire to RPC servers so far."""
     stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
-    return dict(stats["total"]) if stats else None
+    total = dict(stats["total"]) if stats else None
+    if getattr(llm, "rpc_servers", None):
+        from empanel_gguf.rpc import wire_bytes
+
+        total = total or {}
+        total["wire_sent"], total["wire_received"] = wire_bytes()
+    return total

@@ -156,6 +156,10 @@ def setup_arg_parser():
                         "moe_direct_io=true (repeatable)")
     g.add_argument("--llama-opt", action="append", type=parse_opt, default=[], metavar="KEY=VALUE",
                    help="extra Llama kwarg for every run (repeatable)")
+    g.add_argument("--rpc", metavar="HOST:PORT,...", default=None,
+                   help="place the layers of every run on these ggml-rpc-server processes, as llama.cpp's --rpc "
+                        "(rpc_servers=; all layers unless --llama-opt n_gpu_layers=N); the JSON gets the bytes "
+                        "on the wire per phase")
 
     g = p.add_argument_group("drive probe")
     g.add_argument("--probe-s", type=float, default=3.0,
@@ -193,6 +197,8 @@ def main(argv=None, reports=()) -> int:
     args = setup_arg_parser().parse_args(argv)
     if args.child:
         return child_main(args.child)
+    if args.rpc:
+        args.llama_opt.append(("rpc_servers", args.rpc))
 
     if bool(args.model) == bool(args.write_model):
         raise SystemExit("bench: give a model (-m MODEL.gguf) or --write-model PATH")

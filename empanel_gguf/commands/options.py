@@ -111,7 +111,7 @@ def add_memory_args(parser):
 
 
 def add_load_args(parser):
-    """-c, -t, -tb, -ngl, -b, -ub, -fa: how the model is loaded and run."""
+    """-c, -t, -tb, -ngl, --rpc, -b, -ub, -fa: how the model is loaded and run."""
     env_arg(parser, "-c", "--ctx-size", env="LLAMA_ARG_CTX_SIZE", type=int, default=None,
             show_default="4096, at most the model's; 0 = the model's", help="context size in tokens")
     env_arg(parser, "-t", "--threads", env="LLAMA_ARG_THREADS", type=int, default=None,
@@ -119,7 +119,11 @@ def add_load_args(parser):
     env_arg(parser, "-tb", "--threads-batch", env="LLAMA_ARG_THREADS_BATCH", type=int, default=None,
             show_default=f"{os.cpu_count()}, all CPUs", help="threads for the prompt")
     env_arg(parser, "-ngl", "--n-gpu-layers", "--gpu-layers", env="LLAMA_ARG_N_GPU_LAYERS",
-            type=gpu_layers, default=0, metavar="N|all", help="layers to offload to the GPU")
+            type=gpu_layers, default=None, metavar="N|all", show_default="0; all with --rpc",
+            help="layers to offload to the GPU or the RPC servers")
+    env_arg(parser, "--rpc", env="LLAMA_ARG_RPC", default=None, metavar="HOST:PORT,...", show_default="none",
+            help="ggml-rpc-server processes to place the offloaded layers (and their slot pools) on, as "
+                 "llama.cpp's --rpc (empanel-gguf rpc-server starts one)")
     env_arg(parser, "-b", "--batch-size", env="LLAMA_ARG_BATCH", type=int, default=512,
             help="logical batch size")
     env_arg(parser, "-ub", "--ubatch-size", env="LLAMA_ARG_UBATCH", type=int, default=512,
@@ -169,10 +173,20 @@ def add_moe_args(parser, moe_slots_default="auto"):
 
 
 def llama_kwargs(args, n_ctx):
-    """The Llama arguments of the options add_load_args added."""
-    return dict(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_threads=args.threads,
-                n_threads_batch=args.threads_batch, n_gpu_layers=args.n_gpu_layers,
-                flash_attn=args.flash_attn, verbose=args.verbose)
+    """The Llama arguments of the options add_load_args added. With --rpc the servers are
+    registered here, before the plan's estimate looks at the devices (RpcError if one cannot be
+    used)."""
+    kwargs = dict(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_threads=args.threads,
+                  n_threads_batch=args.threads_batch, flash_attn=args.flash_attn, verbose=args.verbose)
+    ngl = args.n_gpu_layers
+    if args.rpc:
+        from ..rpc import add_servers
+
+        add_servers(args.rpc)
+        kwargs["rpc_servers"] = args.rpc
+        ngl = -1 if ngl is None else ngl
+    kwargs["n_gpu_layers"] = 0 if ngl is None else ngl
+    return kwargs
 
 
 def moe_kwargs(args):

@@ -90,7 +90,8 @@ def split_args(parser, argv):
 _MODEL_FLAGS = ("-m", "--model")
 _VALUE_FLAGS = {"-c": "ctx", "--ctx-size": "ctx", "-b": "batch", "--batch-size": "batch", "-ub": "ubatch",
                 "--ubatch-size": "ubatch", "-ngl": "ngl", "--gpu-layers": "ngl", "--n-gpu-layers": "ngl",
-                "-p": "n_prompt", "--n-prompt": "n_prompt", "-n": "n_gen", "--n-gen": "n_gen"}
+                "-p": "n_prompt", "--n-prompt": "n_prompt", "-n": "n_gen", "--n-gen": "n_gen",
+                "--rpc": "rpc"}
 _LORA_FLAGS = ("--lora", "--lora-scaled")
 
 
@@ -123,7 +124,7 @@ def program_flags(flags, lists=False):
     if not found["model"] and os.environ.get("LLAMA_ARG_MODEL"):
         found["model"] = [os.environ["LLAMA_ARG_MODEL"]]
     for key, env in (("ctx", "LLAMA_ARG_CTX_SIZE"), ("batch", "LLAMA_ARG_BATCH"), ("ubatch", "LLAMA_ARG_UBATCH"),
-                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS")):
+                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS"), ("rpc", "LLAMA_ARG_RPC")):
         if key not in found and os.environ.get(env):
             found[key] = os.environ[env]
     return found
@@ -177,6 +178,9 @@ def plan_for_program(name, args, flags):
     shape = model_shape(index)
     kwargs = {"n_ctx": planned_n_ctx(name, values, shape), "n_batch": _int_or(values.get("batch"), 2048),
               "n_ubatch": _int_or(values.get("ubatch"), 512), "n_gpu_layers": _int_or(values.get("ngl"), 0)}
+    if values.get("rpc"):  # the program registers the servers: their layers are not held here
+        kwargs["gpu_offload"] = True
+        kwargs["n_gpu_layers"] = _int_or(values.get("ngl"), -1)
     load = plan_from_args(index, args, moe_slots, kwargs)
     if load.moe_slots is None:
         return None

@@ -35,6 +35,7 @@ LLAMA_CPP_ALIASES = (
     (("-tb", "--threads-batch"), "n_threads_batch", int, "LLAMA_ARG_THREADS_BATCH"),
     (("-ngl", "--n-gpu-layers", "--gpu-layers"), "n_gpu_layers", gpu_layers, "LLAMA_ARG_N_GPU_LAYERS"),
     (("-fa", "--flash-attn"), "flash_attn", parse_bool, "LLAMA_ARG_FLASH_ATTN"),
+    (("--rpc",), "rpc_servers", str, "LLAMA_ARG_RPC"),
     (("--chat-template-format",), "chat_format", str, "LLAMA_ARG_CHAT_FORMAT"),
     (("--api-key",), "api_key", str, "LLAMA_API_KEY"),
     (("--host",), "host", str, "LLAMA_ARG_HOST"),

@@ -1,0 +1,60 @@
+"""llama.cpp's RPC backend: layers (and their slot pools) on other hosts' ggml-rpc-server.
+
+    from empanel_gguf import Llama
+    llm = Llama("model.gguf", rpc_servers="10.0.0.2:50052,10.0.0.3:50052", moe_slots="25%")
+
+`add_servers` registers the servers' devices before a load, as llama.cpp's --rpc does; llama.cpp
+then places the offloaded layers (n_gpu_layers) on them, in proportion to their free memory, and
+each such layer's pools live on its host. A miss writes the expert into the remote pool: by hash
+when the host's cache (ggml-rpc-server -c) has seen it, else its bytes (csrc/rpc.c). The design
+and its measurements: docs/rpc.md.
+"""
+
+from ._native import native
+
+
+class RpcError(RuntimeError):
+    """An RPC server cannot be used (unreachable, no devices, a build without RPC)."""
+
+
+def supported():
+    """True if this build has ggml's RPC backend."""
+    return bool(native().sidecar.empanel_rpc_supported())
+
+
+def parse_servers(servers):
+    """"HOST:PORT,HOST:PORT" (or a list of them) -> a list of endpoints; ValueError if malformed."""
+    items = servers.split(",") if isinstance(servers, str) else list(servers)
+    endpoints = [item.strip() for item in items if item.strip()]
+    if not endpoints:
+        raise ValueError(f"rpc_servers={servers!r}: expected HOST:PORT,...")
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"rpc_servers: {endpoint!r} is not HOST:PORT")
+    return endpoints
+
+
+def add_servers(servers):
+    """Register the devices of the RPC servers (see parse_servers) for the loads that follow;
+    each is tried first. Returns the endpoints; RpcError if one cannot be used."""
+    endpoints = parse_servers(servers)
+    n = native()
+    err = n.ffi.new("char[512]")
+    if n.sidecar.empanel_rpc_add_servers(",".join(endpoints).encode(), err, len(err)) < 0:
+        raise RpcError(n.ffi.string(err).decode(errors="replace"))
+    return endpoints
+
+
+def wire_bytes():
+    """(sent, received): bytes this process put on and took off the wire to RPC servers."""
+    n = native()
+    sent = n.ffi.new("uint64_t *")
+    received = n.ffi.new("uint64_t *")
+    n.sidecar.empanel_rpc_wire_bytes(sent, received)
+    return int(sent[0]), int(received[0])
+
+
+def offload_devices():
+    """Devices llama.cpp can offload layers to: GPUs, and registered RPC servers' devices."""
+    return int(native().sidecar.empanel_offload_devices())

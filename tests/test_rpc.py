@@ -1,0 +1,239 @@
+"""Slot pools on llama.cpp's RPC backend: two ggml-rpc-server processes on 127.0.0.1.
+
+The layers llama.cpp places on the servers have their pools there; a miss writes the expert over
+the wire, by hash once the server's cache (-c) holds it (csrc/rpc.c, patch 0008). Exact: the same
+logits as the same placement without slots. Every load runs in a child process: the devices of
+RPC servers stay registered in a process, and llama.cpp aborts a process whose server went away.
+"""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env, free_port, stop_process
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _rpc_server_path():
+    from empanel_gguf.commands.programs import programs_dir
+
+    return programs_dir() / "ggml-rpc-server"
+
+
+def _supported():
+    from empanel_gguf import rpc
+
+    return rpc.supported() and _rpc_server_path().is_file()
+
+
+pytestmark = pytest.mark.skipif(not _supported(), reason="this build has no RPC backend (-DGGML_RPC=OFF)")
+
+
+def _wait_listening(proc, port, log, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"ggml-rpc-server exited with {proc.returncode}:\n{Path(log).read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"ggml-rpc-server did not listen on {port}:\n{Path(log).read_text()[-2000:]}")
+            time.sleep(0.1)
+
+
+class RpcServers:
+    """ggml-rpc-server processes on loopback (through `empanel-gguf rpc-server`), each with a
+    cache folder of its own (cache=True) or none."""
+
+    def __init__(self, tmp, caches):
+        Path(tmp).mkdir(parents=True, exist_ok=True)
+        self.procs, self.endpoints, self.cache_dirs, self.logs = [], [], [], []
+        for i, cache in enumerate(caches):
+            port = free_port()
+            cache_dir = Path(tmp) / f"cache{i}"
+            log = Path(tmp) / f"rpc{i}.log"
+            cmd = [sys.executable, "-m", "empanel_gguf", "rpc-server", "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+            if cache:
+                cmd.append("-c")
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(LLAMA_CACHE=str(cache_dir)), stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append(proc)
+            self.endpoints.append(f"127.0.0.1:{port}")
+            self.cache_dirs.append(cache_dir)
+            self.logs.append(log)
+        for proc, endpoint, log in zip(self.procs, self.endpoints, self.logs):
+            _wait_listening(proc, int(endpoint.rsplit(":", 1)[1]), log)
+
+    @property
+    def servers(self):
+        return ",".join(self.endpoints)
+
+    def cached_files(self, i):
+        return sorted(p for p in self.cache_dirs[i].rglob("*") if p.is_file())
+
+    def stop(self):
+        for proc in self.procs:
+            stop_process(proc, group=True)
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    servers = RpcServers(tmp_path_factory.mktemp("rpc"), caches=(True, True))
+    yield servers
+    servers.stop()
+
+
+# one child: the same split without slots, then with slots two passes over the same prompt
+CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from empanel_gguf import Llama, fixtures, rpc
+    from empanel_gguf.commands.options import default_model_path
+    from empanel_gguf.exactness import greedy_logits
+
+    model, servers, slots, out = sys.argv[1:5]
+    path = str(default_model_path()) if model == "builtin" else str(fixtures.write_fixture(model, sys.argv[5]))
+    text = b"Once upon a time, in a land far away, there lived a king who had three daughters."
+    kw = dict(n_ctx=256, logits_all=True, verbose=False, rpc_servers=servers, n_threads=1)
+
+    llm = Llama(path, **kw)
+    ref, ref_tokens = greedy_logits(llm, text, 6)
+    llm.close()
+
+    llm = Llama(path, moe_slots=slots, moe_io_threads=2, **kw)
+    passes = []
+    for _ in range(2):
+        w0 = rpc.wire_bytes()
+        s0 = llm.moe_stats()["total"]
+        llm.reset()
+        logits, tokens = greedy_logits(llm, text, 6)
+        s1 = llm.moe_stats()["total"]
+        w1 = rpc.wire_bytes()
+        passes.append({"equal": bool(np.array_equal(logits, ref)) and tokens == ref_tokens,
+                       "max_diff": float(np.abs(logits - ref).max()),
+                       **{k: s1[k] - s0[k] for k in ("misses", "hits", "bytes_read", "copy_bytes", "remote_by_hash")},
+                       "wire_sent": w1[0] - w0[0]})
+    n_tensors = {len(layer.tensors) for layer in llm._experts.index.layers}
+    llm.close()
+    json.dump({"passes": passes, "n_tensors": sorted(n_tensors)}, open(out, "w"))
+""")
+
+
+def _run_child(tmp_path, model, servers, slots="25%"):
+    out = tmp_path / f"{model}.json"
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, servers, slots, str(out), str(tmp_path / "models")],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("model", ["builtin", "mixtral", "qwen3moe-q4_k"])
+def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, two_servers, model):
+    """25 % slots on layers split over two servers give the logits of the same split without
+    slots, in both passes; the second pass over the same prompt reads nothing and sends no expert:
+    each miss is one hash the server's cache answers (counted per expert tensor)."""
+    result = _run_child(tmp_path, model, two_servers.servers)
+    first, second = result["passes"]
+    for p in (first, second):
+        assert p["equal"], p
+    assert first["misses"] > 0 and first["bytes_read"] > 0
+    assert first["copy_bytes"] > 0  # the first time, the experts' bytes go over the wire
+    assert second["misses"] > 0, second  # 25 %: the pools evicted the first pass's experts
+    assert second["bytes_read"] == 0 and second["copy_bytes"] == 0, second
+    n_tensors, = result["n_tensors"]
+    assert second["remote_by_hash"] == second["misses"] * n_tensors, second
+    # both passes send the same graphs and activations; the second one none of the experts
+    assert first["wire_sent"] - second["wire_sent"] >= 0.95 * first["copy_bytes"], (first, second)
+    for i in range(2):  # both servers hold pools: each kept experts in its cache
+        assert two_servers.cached_files(i), f"server {i} cached nothing"
+
+
+def test_server_without_cache_gets_bytes(tmp_path):
+    """A server started without -c keeps nothing: the hash it is asked for is refused, the pools
+    on it go back to sending bytes, and the logits are still exact."""
+    servers = RpcServers(tmp_path / "srv", caches=(False,))
+    try:
+        result = _run_child(tmp_path, "builtin", servers.servers)
+    finally:
+        servers.stop()
+    first, second = result["passes"]
+    for p in (first, second):
+        assert p["equal"], p
+    assert second["misses"] > 0 and second["copy_bytes"] > 0 and second["bytes_read"] > 0, second
+    assert second["remote_by_hash"] == 0, second
+
+
+def test_unreachable_server_is_an_error_not_an_abort(tmp_path):
+    """ggml-rpc aborts the process when it cannot connect: the server is tried first."""
+    port = free_port()  # nobody listens there
+    code = textwrap.dedent(f"""
+        from empanel_gguf import Llama, rpc
+        from empanel_gguf.commands.options import default_model_path
+        try:
+            Llama(str(default_model_path()), rpc_servers="127.0.0.1:{port}", verbose=False)
+        except rpc.RpcError as e:
+            print("RpcError:", e)
+        try:
+            rpc.add_servers("localhost")
+        except ValueError as e:
+            print("ValueError:", e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"RpcError: RPC server 127.0.0.1:{port}: cannot connect" in proc.stdout, proc.stdout
+    assert "ValueError: rpc_servers: 'localhost' is not HOST:PORT" in proc.stdout, proc.stdout
+
+
+def test_run_command_with_rpc(tmp_path, two_servers):
+    """`empanel-gguf run --rpc` completes on the built-in model with its layers on the servers,
+    the same text as without slots on the same servers."""
+    def run(slots):
+        proc = subprocess.run([sys.executable, "-m", "empanel_gguf", "run", "-n", "12", "--temp", "0", "-t", "1",
+                               "--rpc", two_servers.servers, "-ms", slots],
+                              cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+    paged, stock = run("25%"), run("none")
+    assert paged.stdout == stock.stdout and len(paged.stdout.strip()) > 0
+    assert "misses" in paged.stderr
+
+
+def test_llama_perplexity_with_rpc_equal_to_stock(tmp_path, two_servers):
+    """llama.cpp's own --rpc: llama-perplexity over the two servers with slot pools prints every
+    chunk's value and the final estimate of the same split without them."""
+    from empanel_gguf.commands.programs import programs_dir
+
+    if not (programs_dir() / "llama-perplexity").is_file():
+        pytest.skip("llama.cpp's programs are not built (EMPANEL_PROGRAMS=ON)")
+    from empanel_gguf.commands.options import default_model_path
+    from empanel_gguf.profile import DEFAULT_TEXT
+
+    text = tmp_path / "text.txt"
+    text.write_text(DEFAULT_TEXT * 2)
+
+    def ppl(slots):
+        proc = subprocess.run([sys.executable, "-m", "empanel_gguf", "llama-perplexity", "--moe-slots", slots,
+                               "-m", str(default_model_path()), "-f", str(text), "-c", "128", "-b", "128",
+                               "--chunks", "3", "-t", "1", "--rpc", two_servers.servers, "-ngl", "99"],
+                              cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = proc.stdout + proc.stderr
+        chunks = re.findall(r"\[\d+\]\d+\.\d+", out)
+        final = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
+        assert chunks and final, out[-3000:]
+        return chunks, final.group(1), proc.stderr
+    paged, stock = ppl("25%"), ppl("none")
+    assert paged[:2] == stock[:2]
+    assert "misses" in paged[2]
