@@ -283,7 +283,9 @@ def summary_line(stats):
     return (f"empanel: {t['hits']} hits, {t['misses']} misses ({100 * t['hit_rate']:.1f}% hit), "
             f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s ({t['read_gbps']:.2f} GB/s), "
             f"{t['remap_s']:.3f} s in remap"
-            + (f", {t['remote_by_hash']} expert tensors written by RPC hosts from their caches" if t["remote_by_hash"] else ""))
+            + (f", {t['remote_by_hash']} expert tensors written by RPC hosts from their caches" if t["remote_by_hash"] else "")
+            + (f", {t['wire_sent'] / 2**20:.1f} MiB sent to RPC hosts ({t['copy_bytes'] / 2**20:.1f} MiB of experts)"
+               if "wire_sent" in t else ""))
 
 
 class LabPool:

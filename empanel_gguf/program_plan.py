@@ -71,5 +71,8 @@ def read_stats(path):
                 stats = layer_stats({int(il): row for il, row in record["layers"].items()},
                                     record.get("masked_pools", 0))
                 stats["seconds"] = record.get("seconds", 0.0)
+                if record.get("wire_sent") or record.get("wire_received"):  # --rpc
+                    stats["total"]["wire_sent"] = record["wire_sent"]
+                    stats["total"]["wire_received"] = record["wire_received"]
                 loads.append(stats)
     return loads

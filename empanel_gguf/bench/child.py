@@ -257,9 +257,9 @@ def _total(llm):
     """The pools' totals, and the bytes on the wire to RPC servers so far."""
     stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
     total = dict(stats["total"]) if stats else None
-    if getattr(llm, "rpc_servers", None):
+    if getattr(llm, "rpc_servers", None) and total is None:  # stock: no pools, the wire still counts
         from empanel_gguf.rpc import wire_bytes
 
-        total = total or {}
+        total = {}
         total["wire_sent"], total["wire_received"] = wire_bytes()
     return total

@@ -163,6 +163,10 @@ def format_report(name, index, plan, stats, timings, rss):
         lines.append(f"  experts   hit rate {100 * t['hit_rate']:.1f}% ({t['hits']} hits, "
                      f"{t['misses']} misses): {format_bytes(t['bytes_read'])} read in "
                      f"{t['read_s']:.4f} s, {speed}")
+        if "wire_sent" in t:
+            lines.append(f"  rpc       {format_bytes(t['wire_sent'])} sent, {format_bytes(t['wire_received'])} "
+                         f"received; {format_bytes(t['copy_bytes'])} of experts sent, {t['remote_by_hash']} "
+                         "expert tensors written by the hosts from their caches")
         if t.get("substituted"):
             lines.append(f"  subst     {t['substituted']} routed experts stood in for (outputs approximate)")
         if t.get("preloaded"):
