@@ -5,14 +5,16 @@ one remote host vs two (loopback: this measures the protocol's cost, not a netwo
 
 Configurations (each in a fresh child process, its servers started fresh with empty caches):
 
+    stock        Llama() without slots: every expert resident here (--configs stock)
     local        Llama(moe_slots=SLOTS): every layer and pool here, misses read from the file
     one          rpc_servers=A: every layer (n_gpu_layers=-1) and its pools on one ggml-rpc-server -c
     two          rpc_servers=A,B: the layers split over two servers (llama.cpp: by free memory)
     two-nocache  as two, the servers without -c: every miss sends the expert's bytes
-    stock-two    as two without slot pools: every expert resident on the servers (--stock)
+    stock-two    as two without slot pools: every expert resident on the servers
 
-Each child runs two passes over the same text: a prompt of -p tokens, then -n greedy tokens one
-at a time. Pass 1 starts with empty pools and empty host caches; pass 2 (after a reset, same
+Each child runs two passes over the same text (prose that does not repeat): a prompt of -p
+tokens, then the text's next -n tokens decoded one at a time (so a random-weight synthetic model
+routes as it would on real text, instead of repeating its own greedy tokens). Pass 1 starts with empty pools and empty host caches; pass 2 (after a reset, same
 text, so the same experts) finds the hosts' caches warm: a miss there is a hash on the wire.
 Reported per pass: prompt and decode tok/s (decode: median token time), and per decoded token
 the bytes sent to and received from the servers, the expert bytes read from the local file, the
@@ -38,13 +40,10 @@ sys.path.insert(0, str(REPO))  # this checkout's empanel_gguf, not an installed 
 from empanel_gguf.commands.programs import program_path  # noqa: E402
 
 MiB = 1 << 20
-TEXT = ("The history of the northern kingdoms begins with a quarrel over a river, and the river "
-        "outlived every king who claimed it. In the spring the water rose over the fields, and the "
-        "farmers moved their animals to the hills, where the shepherds kept their own counsel. ") * 8
+from empanel_gguf.profile import DEFAULT_TEXT as TEXT  # noqa: E402  (prose that does not repeat)
 
 CHILD = textwrap.dedent("""
     import json, os, statistics, sys, time
-    import numpy as np
     from empanel_gguf import Llama, rpc
 
     spec = json.loads(sys.argv[1])
@@ -56,7 +55,9 @@ CHILD = textwrap.dedent("""
     t0 = time.perf_counter()
     llm = Llama(spec["model"], **kw)
     load_s = time.perf_counter() - t0
-    prompt = llm.tokenize(spec["text"].encode())[: spec["n_prompt"]]
+    text = llm.tokenize(spec["text"].encode())
+    prompt = text[: spec["n_prompt"]]
+    follow = text[spec["n_prompt"]: spec["n_prompt"] + spec["n_gen"]]  # decoded one at a time
 
     def counters():
         stats = llm.moe_stats()
@@ -69,7 +70,6 @@ CHILD = textwrap.dedent("""
         return {k: b[k] - a[k] for k in a}
 
     passes = []
-    tokens = None
     for _ in range(2):
         llm.reset()
         c0 = counters()
@@ -77,15 +77,12 @@ CHILD = textwrap.dedent("""
         llm.eval(prompt)
         pp_s = time.perf_counter() - t0
         c1 = counters()
-        times, out = [], []
-        for i in range(spec["n_gen"]):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1])) if tokens is None else tokens[i]
-            out.append(token)
+        times = []
+        for token in follow:
             t0 = time.perf_counter()
             llm.eval([token])
             times.append(time.perf_counter() - t0)
         c2 = counters()
-        tokens = out  # pass 2 decodes the very same tokens
         passes.append({"pp": {"n": len(prompt), "s": pp_s, **delta(c0, c1)},
                        "tg": {"n": len(times), "s": sum(times), "median_s": statistics.median(times), **delta(c1, c2)}})
     with open("/proc/self/status") as f:
@@ -155,6 +152,7 @@ class Servers:
 
 
 CONFIGS = {  # name: (servers, cache, slot pools)
+    "stock": (0, False, False),
     "local": (0, False, True),
     "one": (1, True, True),
     "two": (2, True, True),

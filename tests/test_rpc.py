@@ -237,3 +237,58 @@ def test_llama_perplexity_with_rpc_equal_to_stock(tmp_path, two_servers):
     paged, stock = ppl("25%"), ppl("none")
     assert paged[:2] == stock[:2]
     assert "misses" in paged[2]
+
+
+def test_serve_with_rpc(tmp_path, two_servers):
+    """`empanel-gguf serve --rpc`: llama_cpp.server's completions with the layers and their pools
+    on the servers, the same text as the same split without slots; the stats show the wire."""
+    pytest.importorskip("uvicorn", reason='llama_cpp.server extras missing: pip install "empanel-gguf[server]"')
+    from conftest import wait_until_serving
+
+    def complete(slots):
+        port = free_port()
+        log = tmp_path / f"serve-{slots.strip('%')}.log"
+        cmd = [sys.executable, "-m", "empanel_gguf", "serve", "--moe-slots", slots, "--rpc", two_servers.servers,
+               "--n_ctx", "256", "--n_threads", "1", "--host", "127.0.0.1", "--port", str(port)]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(drop=("MODEL", "CONFIG_FILE", "HOST", "PORT")),
+                                    stdout=out, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_serving(proc, f"{base}/v1/models", log, 60)
+            body = json.dumps({"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}).encode()
+            request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                text = json.loads(response.read())["choices"][0]["text"]
+            with urllib.request.urlopen(f"{base}/v1/empanel/stats", timeout=10) as response:
+                stats = json.loads(response.read())
+            return text, stats
+        finally:
+            stop_process(proc)
+
+    import urllib.request
+
+    paged, stats = complete("25%")
+    stock, _ = complete("none")
+    assert paged == stock and len(paged) > 0
+    assert stats["total"]["misses"] > 0 and stats["total"]["wire_sent"] > 0, stats["total"]
+
+
+def test_exec_with_rpc(tmp_path, two_servers):
+    """`empanel-gguf exec --rpc`: an unchanged llama-cpp-python program's Llama gets the servers."""
+    program = tmp_path / "app.py"
+    program.write_text(textwrap.dedent("""
+        import llama_cpp, sys
+        llm = llama_cpp.Llama(sys.argv[1], n_ctx=128, n_threads=1, verbose=False)
+        out = llm("ROMEO:", max_tokens=6, temperature=0)["choices"][0]["text"]
+        stats = llm.moe_stats()["total"]
+        print(repr(out), llm.rpc_servers, stats["misses"] > 0, stats["wire_sent"] > 0)
+    """))
+    from empanel_gguf.commands.options import default_model_path
+
+    proc = subprocess.run([sys.executable, "-m", "empanel_gguf", "exec", "--moe-slots", "25%", "--rpc",
+                           two_servers.servers, "--", sys.executable, str(program), str(default_model_path())],
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith(f"{two_servers.endpoints} True True"), proc.stdout

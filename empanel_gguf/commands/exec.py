@@ -18,6 +18,8 @@ It runs PROGRAM with these environment variables, which can also be set by hand
                        not fit in memory), or none (libraries only, every expert resident)
   EMPANEL_MEM_FLOOR    memory the guard keeps free (default max(1 GiB, 5% of memory); 0: off)
   EMPANEL_FORCE        1: load even when the guard estimates that the model does not fit
+  EMPANEL_RPC_SERVERS  rpc_servers of every Llama(...) that does not pass them: HOST:PORT,... of
+                       ggml-rpc-server processes that take the offloaded layers and their pools
 
 Python started with -S or -I ignores PYTHONPATH/sitecustomize: there only the libraries change.
 A Llama that the guard refuses raises empanel_gguf.guard.MemoryRefused in the program.
@@ -45,13 +47,15 @@ def setup_arg_parser():
             show_default="max(1 GiB, 5% of memory)", help="memory the guard keeps free; 0: no guard")
     env_arg(parser, "--force", env="LLAMA_ARG_FORCE", action="store_true", default=False,
             help="load even when the memory guard estimates that a model does not fit")
+    env_arg(parser, "--rpc", env="LLAMA_ARG_RPC", default=None, metavar="HOST:PORT,...", show_default="none",
+            help="ggml-rpc-server processes for the program's models (rpc_servers=)")
     parser.add_argument("--print-env", action="store_true",
                         help="print the environment as shell exports instead of running a program")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
 
 
-def build_env(moe_slots="auto", mem_floor=None, force=False, base=None):
+def build_env(moe_slots="auto", mem_floor=None, force=False, base=None, rpc_servers=None):
     """The environment that makes a program's llama_cpp use empanel-gguf (see the module doc)."""
     from .._native import lib_dir
 
@@ -66,11 +70,13 @@ def build_env(moe_slots="auto", mem_floor=None, force=False, base=None):
         env["EMPANEL_MEM_FLOOR"] = str(mem_floor)
     if force:
         env["EMPANEL_FORCE"] = "1"
+    if rpc_servers:
+        env["EMPANEL_RPC_SERVERS"] = rpc_servers
     return env
 
 
 _CHANGED = ("LLAMA_CPP_LIB_PATH", "MTMD_CPP_LIB", "PYTHONPATH", "EMPANEL_MOE_SLOTS",
-            "EMPANEL_MEM_FLOOR", "EMPANEL_FORCE")
+            "EMPANEL_MEM_FLOOR", "EMPANEL_FORCE", "EMPANEL_RPC_SERVERS")
 
 
 def main(argv=None):
@@ -84,7 +90,7 @@ def main(argv=None):
     args = parser.parse_args(options)
     if command is None:
         command = args.command
-    env = build_env(args.moe_slots, args.mem_floor, args.force)
+    env = build_env(args.moe_slots, args.mem_floor, args.force, rpc_servers=args.rpc)
     if args.print_env:
         for key in _CHANGED:
             if key in env:
@@ -114,6 +120,12 @@ def patch_llama_cpp(module):
         __doc__ = EmpanelLlama.__doc__
 
         def __init__(self, model_path, *args, moe_slots=_FROM_ENV, **kwargs):
+            if os.environ.get("EMPANEL_RPC_SERVERS") and not kwargs.get("rpc_servers"):
+                from ..rpc import add_servers
+
+                kwargs["rpc_servers"] = os.environ["EMPANEL_RPC_SERVERS"]
+                add_servers(kwargs["rpc_servers"])  # before the guard's estimate: it sees the devices
+                kwargs.setdefault("n_gpu_layers", -1)
             if moe_slots is _FROM_ENV:
                 moe_slots = _slots_from_env(model_path, kwargs)
             super().__init__(model_path, *args, moe_slots=moe_slots, **kwargs)
