@@ -89,8 +89,8 @@ struct empanel_layer_stats {
     uint64_t verified;     // expert tensors read whose bytes were checked against a digest
     uint64_t verify_ns;    // time the reader threads spent hashing them (summed over threads)
     uint64_t remote_by_hash; // expert tensors an RPC host wrote into its pool from its cache,
-                             // asked by hash: nothing read here, 8 bytes sent instead of the
-                             // expert (copy_bytes counts the experts sent over the wire)
+                             // asked by hash: nothing read here, a request of about 330 bytes
+                             // sent instead of the expert (copy_bytes counts the experts sent)
     int32_t  n_slots;
     int32_t  n_resident;   // slots holding an expert
 };

@@ -93,12 +93,13 @@ static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job)
 }
 
 // staging -> a slot on an RPC host (rpc.c): by hash if the host's cache holds these bytes (from
-// an earlier run), else the bytes, for the host to keep; sent bytes count in copy_bytes
+// an earlier run), else the bytes, for the host to keep; sent bytes count in copy_bytes. With
+// moe_verify the very bytes checked here are sent.
 static int remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
     struct empanel_tensor * t = job->tensor;
     if (t->remote_cache && job->remote_hash != 0) {
         t->remote_hash[job->expert] = job->remote_hash;
-        if (empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
+        if (t->digest == NULL && empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
             layer->stats.remote_by_hash += 1;
             return 0;
         }
@@ -118,7 +119,7 @@ static int remote_write_job(struct empanel_pool * pool, struct empanel_layer * l
 // a miss on an RPC host's pool whose bytes the host may hold (sent before, or hashed at an
 // earlier read): 1 if the host wrote them into the slot from its cache, so nothing is read
 static int remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot) {
-    if (!t->remote || !t->remote_cache || t->remote_hash[expert] == 0) {
+    if (!t->remote || !t->remote_cache || t->remote_hash[expert] == 0 || t->digest != NULL) {
         return 0;
     }
     if (empanel_rpc_write_by_hash(t->pool, slot, t->remote_hash[expert])) {

@@ -9,14 +9,17 @@
 // host has seen it:
 //   - the first time, the expert is read here, hashed by the reader thread that lands it, offered
 //     by hash (its host may hold it from an earlier run), else sent with the cache flag;
-//   - from then on a miss on that expert is one SET_TENSOR_HASH: no read here, 8 bytes of hash
-//     on the wire instead of the expert; the host reads it from its own drive.
+//   - from then on a miss on that expert is one SET_TENSOR_HASH: no read here, a request of
+//     about 330 bytes (the slot's tensor description and the hash) instead of the expert; the
+//     host reads it from its own drive, and uses it only if its size is the slot's.
 // A host without a cache refuses a hash it was sent: its tensors then send bytes as ggml does.
+// With moe_verify the bytes must be read and checked here, so nothing goes by hash.
 
 #include "empanel.h"
 #include "empanel-impl.h"
 
 #include "ggml-backend.h"
+#include "ggml-rpc.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -29,13 +32,20 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define RPC_CONNECT_TIMEOUT_MS 5000
+#define RPC_TIMEOUT_MS 10000 // connect and handshake, each; EMPANEL_RPC_TIMEOUT (seconds) overrides
+
+static int timeout_ms(void) {
+    const char * text = getenv("EMPANEL_RPC_TIMEOUT");
+    const double s = text != NULL ? atof(text) : 0.0;
+    return s > 0.0 ? (int) (s * 1000.0) : RPC_TIMEOUT_MS;
+}
 
 // patch 0008's functions in ggml-rpc, found by name (ggml may load its backends dynamically)
 typedef uint64_t (*rpc_hash_fn)      (const void * data, size_t size);
-typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, size_t offset, uint64_t hash);
+typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint64_t hash);
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
 typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received);
+typedef void     (*rpc_hello_sizes_fn)(size_t * request, size_t * response);
 
 struct rpc_fns {
     int                found;
@@ -44,6 +54,7 @@ struct rpc_fns {
     rpc_set_by_hash_fn set_by_hash;
     rpc_set_cached_fn  set_cached;
     rpc_wire_bytes_fn  wire_bytes;
+    rpc_hello_sizes_fn hello_sizes;
 };
 
 static struct rpc_fns  g_rpc;
@@ -56,10 +67,12 @@ static void rpc_find(void) {
     }
     g_rpc.reg         = reg;
     g_rpc.hash        = (rpc_hash_fn)        ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_hash");
-    g_rpc.set_by_hash = (rpc_set_by_hash_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_by_hash");
+    g_rpc.set_by_hash = (rpc_set_by_hash_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_slice_by_hash");
     g_rpc.set_cached  = (rpc_set_cached_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_cached");
     g_rpc.wire_bytes  = (rpc_wire_bytes_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_wire_bytes");
-    g_rpc.found = g_rpc.hash != NULL && g_rpc.set_by_hash != NULL && g_rpc.set_cached != NULL && g_rpc.wire_bytes != NULL;
+    g_rpc.hello_sizes = (rpc_hello_sizes_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_hello_sizes");
+    g_rpc.found = g_rpc.hash != NULL && g_rpc.set_by_hash != NULL && g_rpc.set_cached != NULL && g_rpc.wire_bytes != NULL &&
+                  g_rpc.hello_sizes != NULL;
 }
 
 static const struct rpc_fns * rpc(void) {
@@ -86,8 +99,7 @@ uint64_t empanel_rpc_hash(const void * data, uint64_t size) {
 }
 
 int empanel_rpc_write_by_hash(void * pool_tensor, int32_t slot, uint64_t hash) {
-    struct ggml_tensor * t = pool_tensor;
-    return rpc()->set_by_hash(t, (size_t) slot * t->nb[2], hash) ? 1 : 0;
+    return rpc()->set_by_hash(pool_tensor, slot, hash) ? 1 : 0;
 }
 
 int empanel_rpc_write_cached(void * pool_tensor, int32_t slot, const void * data, uint64_t size) {
@@ -106,7 +118,66 @@ void empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received) {
 // ------------------------------------------------------------------------------------------------
 // registering servers
 
-// ggml-rpc aborts the process when it cannot connect: try first, and say so instead
+// all of n bytes over a non-blocking socket, waiting at most wait_ms for each part (send: dir =
+// POLLOUT); 0, or an errno
+static int transfer(int fd, uint8_t * buf, size_t n, short dir, int wait_ms) {
+    size_t done = 0;
+    while (done < n) {
+        struct pollfd p = { .fd = fd, .events = dir };
+        const int ready = poll(&p, 1, wait_ms);
+        if (ready == 0) {
+            return ETIMEDOUT;
+        }
+        if (ready < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return errno;
+        }
+        const ssize_t k = dir == POLLOUT ? send(fd, buf + done, n - done, MSG_NOSIGNAL) : recv(fd, buf + done, n - done, 0);
+        if (k == 0) {
+            return ECONNRESET; // the server closed the connection
+        }
+        if (k < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) {
+                continue;
+            }
+            return errno;
+        }
+        done += (size_t) k;
+    }
+    return 0;
+}
+
+// connect within timeout_ms(); the socket, or -1 with *why set
+static int connect_to(const struct addrinfo * a, int * why) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+        *why = errno;
+        return -1;
+    }
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        return fd;
+    }
+    if (errno == EINPROGRESS) {
+        struct pollfd p = { .fd = fd, .events = POLLOUT };
+        int soerr = 0;
+        socklen_t len = sizeof(soerr);
+        const int n = poll(&p, 1, timeout_ms());
+        if (n == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 && soerr == 0) {
+            return fd;
+        }
+        *why = n == 0 ? ETIMEDOUT : (soerr != 0 ? soerr : errno);
+    } else {
+        *why = errno;
+    }
+    close(fd);
+    return -1;
+}
+
+// ggml-rpc aborts the process when it cannot connect or the handshake fails, and waits forever
+// for a server that is serving another client (one at a time): connect and shake hands here
+// first, with timeouts, and say what is wrong instead
 static int probe(const char * host, const char * port, char * err, size_t err_size) {
     struct addrinfo hints;
     memset(&hints, 0, sizeof(hints));
@@ -119,36 +190,50 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
         return -1;
     }
     int why = ECONNREFUSED;
-    for (struct addrinfo * a = addrs; a != NULL; a = a->ai_next) {
-        const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) {
-            why = errno;
-            continue;
-        }
-        int ok = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
-        if (!ok && errno == EINPROGRESS) {
-            struct pollfd p = { .fd = fd, .events = POLLOUT };
-            int soerr = 0;
-            socklen_t len = sizeof(soerr);
-            const int n = poll(&p, 1, RPC_CONNECT_TIMEOUT_MS);
-            if (n == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 && soerr == 0) {
-                ok = 1;
-            } else {
-                why = n == 0 ? ETIMEDOUT : (soerr != 0 ? soerr : errno);
-            }
-        } else if (!ok) {
-            why = errno;
-        }
-        close(fd);
-        if (ok) {
-            freeaddrinfo(addrs);
-            return 0;
-        }
+    int fd  = -1;
+    for (struct addrinfo * a = addrs; a != NULL && fd < 0; a = a->ai_next) {
+        fd = connect_to(a, &why);
     }
     freeaddrinfo(addrs);
-    empanel_format_err(err, err_size, "RPC server %s:%s: cannot connect: %s (is ggml-rpc-server running there? "
-                       "empanel-gguf rpc-server -H HOST -p PORT starts one)", host, port, strerror(why));
-    return -1;
+    if (fd < 0) {
+        empanel_format_err(err, err_size, "RPC server %s:%s: cannot connect: %s (is ggml-rpc-server running there? "
+                           "empanel-gguf rpc-server -H HOST -p PORT starts one)", host, port, strerror(why));
+        return -1;
+    }
+    // HELLO: | cmd 14 (1 byte) | request size (8 bytes) | request | -> | response size (8 bytes) | response |
+    size_t req_size = 0, rsp_size = 0;
+    rpc()->hello_sizes(&req_size, &rsp_size);
+    uint8_t request[1 + 8 + 256] = { 14 };
+    uint8_t response[8 + 256];
+    const uint64_t n_req = req_size;
+    memcpy(request + 1, &n_req, sizeof(n_req));
+    int status = req_size <= 256 && rsp_size <= 256 && rsp_size >= 1 ? 0 : EPROTO;
+    if (status == 0) {
+        status = transfer(fd, request, 1 + 8 + req_size, POLLOUT, timeout_ms());
+    }
+    if (status == 0) {
+        status = transfer(fd, response, 8 + rsp_size, POLLIN, timeout_ms());
+    }
+    close(fd);
+    uint64_t got = 0;
+    memcpy(&got, response, sizeof(got));
+    if (status == ETIMEDOUT) {
+        empanel_format_err(err, err_size, "RPC server %s:%s: no answer to the handshake in %.1f s: it serves one "
+                           "client at a time (another client, or the same server listed twice?); "
+                           "EMPANEL_RPC_TIMEOUT=SECONDS waits longer", host, port, timeout_ms() / 1000.0);
+        return -1;
+    }
+    if (status != 0 || got != rsp_size) {
+        empanel_format_err(err, err_size, "RPC server %s:%s: the handshake failed (%s): not a ggml-rpc-server of "
+                           "this protocol version?", host, port, status != 0 ? strerror(status) : "unexpected answer");
+        return -1;
+    }
+    if (response[8] != RPC_PROTO_MAJOR_VERSION) {
+        empanel_format_err(err, err_size, "RPC server %s:%s speaks RPC protocol %d, this build %d: run the same "
+                           "llama.cpp version on both", host, port, response[8], RPC_PROTO_MAJOR_VERSION);
+        return -1;
+    }
+    return 0;
 }
 
 typedef ggml_backend_reg_t (*rpc_add_server_fn)(const char * endpoint);
@@ -167,21 +252,28 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
         return -1;
     }
     rpc_add_server_fn add = (rpc_add_server_fn) ggml_backend_reg_get_proc_address(rpc()->reg, "ggml_backend_rpc_add_server");
-    if (add == NULL) {
-        empanel_format_err(err, err_size, "ggml's RPC backend has no ggml_backend_rpc_add_server");
+    if (add == NULL || !rpc()->found) {
+        empanel_format_err(err, err_size, "ggml's RPC backend lacks empanel-gguf's patch 0008 (another ggml build "
+                           "on the library path?)");
         return -1;
     }
     char * list = strdup(servers != NULL ? servers : "");
-    if (list == NULL) {
+    char ** todo = calloc(strlen(servers != NULL ? servers : "") / 2 + 1, sizeof(char *)); // new endpoints
+    if (list == NULL || todo == NULL) {
+        free(list);
+        free(todo);
         empanel_format_err(err, err_size, "empanel: out of memory");
         return -1;
     }
-    int32_t n_devices = 0;
-    int     status    = 0;
+    int32_t n_devices   = 0;
+    int     status      = 0;
+    int     n_endpoints = 0;
+    int     n_todo      = 0;
     pthread_mutex_lock(&lock);
+    // every server is checked before any is registered: a failure leaves none of this list behind
     char * save = NULL;
-    int n_endpoints = 0;
-    for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL; endpoint = strtok_r(NULL, ",", &save)) {
+    for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL && status == 0;
+         endpoint = strtok_r(NULL, ",", &save)) {
         while (*endpoint == ' ') {
             endpoint++;
         }
@@ -196,26 +288,28 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
         for (int32_t i = 0; i < n_added; i++) {
             seen |= strcmp(added[i], endpoint) == 0;
         }
+        for (int i = 0; i < n_todo; i++) {
+            seen |= strcmp(todo[i], endpoint) == 0;
+        }
         if (seen) {
             continue;
         }
         *colon = '\0';
-        const int reachable = probe(endpoint, colon + 1, err, err_size);
+        status = probe(endpoint, colon + 1, err, err_size);
         *colon = ':';
-        if (reachable != 0) {
-            status = -1;
-            break;
-        }
-        ggml_backend_reg_t reg = add(endpoint);
+        todo[n_todo++] = endpoint;
+    }
+    for (int i = 0; i < n_todo && status == 0; i++) {
+        ggml_backend_reg_t reg = add(todo[i]);
         if (reg == NULL) {
-            empanel_format_err(err, err_size, "RPC server %s offers no devices", endpoint);
+            empanel_format_err(err, err_size, "RPC server %s offers no devices", todo[i]);
             status = -1;
             break;
         }
         ggml_backend_register(reg);
         n_devices += (int32_t) ggml_backend_reg_dev_count(reg);
         char ** grown = realloc(added, sizeof(char *) * (n_added + 1));
-        if (grown == NULL || (grown[n_added] = strdup(endpoint)) == NULL) {
+        if (grown == NULL || (grown[n_added] = strdup(todo[i])) == NULL) {
             added = grown != NULL ? grown : added;
             empanel_format_err(err, err_size, "empanel: out of memory");
             status = -1;
@@ -225,6 +319,7 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
         n_added++;
     }
     pthread_mutex_unlock(&lock);
+    free(todo);
     free(list);
     if (status == 0 && n_endpoints == 0) {
         empanel_format_err(err, err_size, "no RPC servers given (expected HOST:PORT,...)");

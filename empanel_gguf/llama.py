@@ -232,9 +232,10 @@ class Llama(llama_cpp.Llama):
         return stats
 
     def close(self):
-        experts, self._experts = getattr(self, "_experts", None), None
+        experts = getattr(self, "_experts", None)
         if experts is not None and getattr(self, "verbose", False):
-            print(summary_line(experts.stats()), file=sys.stderr)
+            print(summary_line(self.moe_stats()), file=sys.stderr)
+        self._experts = None
         if hasattr(self, "_stack"):  # absent when __init__ failed before llama_cpp's part
             super().close()
         if experts is not None:

@@ -131,6 +131,7 @@ CHILD = textwrap.dedent("""
 
 
 def _run_child(tmp_path, model, servers, slots="25%"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / f"{model}.json"
     proc = subprocess.run([sys.executable, "-c", CHILD, model, servers, slots, str(out), str(tmp_path / "models")],
                           cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=600)
@@ -292,3 +293,70 @@ def test_exec_with_rpc(tmp_path, two_servers):
                           cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith(f"{two_servers.endpoints} True True"), proc.stdout
+
+
+def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
+    """A server that accepts but never answers the handshake (one busy with another client
+    looks so) is an RpcError after EMPANEL_RPC_TIMEOUT seconds, and nothing of the list stays
+    registered."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(4)
+    port = mute.getsockname()[1]
+    code = textwrap.dedent(f"""
+        from empanel_gguf import rpc
+        try:
+            rpc.add_servers("127.0.0.1:{port}")
+        except rpc.RpcError as e:
+            print("RpcError:", e)
+        print("devices:", rpc.offload_devices())
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(EMPANEL_RPC_TIMEOUT="1"),
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        mute.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no answer to the handshake in 1.0 s" in proc.stdout, proc.stdout
+    assert "devices: 0" in proc.stdout
+
+
+def test_damaged_cache_file_is_not_used(tmp_path):
+    """A host's cache file of another size than the slot (a short write) is refused by size, the
+    expert's bytes are sent again, and the logits stay exact."""
+    servers = RpcServers(tmp_path / "srv", caches=(True,))
+    try:
+        first = _run_child(tmp_path / "a", "builtin", servers.servers)
+        assert first["passes"][1]["remote_by_hash"] > 0
+        files = servers.cached_files(0)
+        assert files
+        for path in files:  # every cached expert cut short
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        again = _run_child(tmp_path / "b", "builtin", servers.servers)
+    finally:
+        servers.stop()
+    cold, warm = again["passes"]
+    assert cold["equal"] and warm["equal"], again
+    # the damaged cache counts as empty: every expert is sent again, as on the first run (whose
+    # by-hash writes in pass 1 are re-misses of experts sent earlier in the pass)
+    fresh = first["passes"][0]
+    assert cold["copy_bytes"] == fresh["copy_bytes"] > 0, (cold, fresh)
+    assert cold["remote_by_hash"] == fresh["remote_by_hash"], (cold, fresh)
+    assert warm["remote_by_hash"] > 0 and warm["copy_bytes"] == 0, warm  # the host saved them anew
+
+
+def test_rpc_build_keeps_cpu_host_pools_unmasked(tmp_path):
+    """Building ggml's RPC backend makes llama_supports_gpu_offload() true, yet no GPU kernel
+    can touch host pools: plain host pools of a CPU build still run unmasked waves."""
+    code = textwrap.dedent("""
+        import sys
+        from empanel_gguf import Llama, fixtures
+        path = fixtures.write_fixture("qwen3moe-f16", sys.argv[1])
+        llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots="25%")
+        llm.eval(llm.tokenize(b"Once upon a time, in a land far away"))
+        print("masked:", llm.moe_stats()["total"]["masked_pools"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "masked: 0" in proc.stdout, proc.stdout

@@ -4,7 +4,8 @@ Exposes this host's backend (its CPU, or its GPUs) to another host's `--rpc HOST
 rpc_servers=): the layers llama.cpp places here, and their expert slot pools, live in this host's
 memory, and the computations of those layers run here. With -c (the cache, under $LLAMA_CACHE/rpc
 or ~/.cache/llama.cpp/rpc) every expert it is sent is kept on this host's drive by hash, and a
-later miss on it costs its 8-byte hash on the wire instead of its bytes: use -c for slot pools.
+later miss on it costs a request naming its hash (about 330 bytes) instead of its bytes: use -c
+for slot pools.
 Every flag is ggml-rpc-server's own (--help lists them). It serves one client at a time, and
 listens on 127.0.0.1 unless -H says otherwise (there is no authentication: a trusted network only).
 Exit status: the server's; 1 if it is not built.
