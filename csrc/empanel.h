@@ -225,8 +225,9 @@ EMPANEL_API int32_t empanel_rpc_supported(void);
 // the number of devices newly registered (an endpoint registered before counts 0), or -1 with
 // the reason in err.
 EMPANEL_API int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size);
-// bytes this process sent to and received from RPC servers so far (0 without RPC)
-EMPANEL_API void    empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received);
+// bytes this process sent to and received from RPC servers so far, and the commands it waited
+// for an answer to (round trips: each costs the network's latency); 0 without RPC
+EMPANEL_API void    empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
 
 // XXH3-64 of n bytes (the digest of verified reads), 1 where XXH3 gives 0: a digest is never 0
 EMPANEL_API uint64_t empanel_hash64(const void * data, uint64_t n);

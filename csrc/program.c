@@ -152,10 +152,11 @@ struct empanel_pool * empanel_program_pool(struct empanel_program * prog) {
 
 // the counters of every paged layer as one JSON object (a line of the stats file)
 static void write_stats(const struct empanel_program * prog, FILE * out) {
-    uint64_t wire_sent, wire_received; // RPC servers (--rpc): this process's bytes on the wire
-    empanel_rpc_wire_bytes(&wire_sent, &wire_received);
+    uint64_t wire_sent, wire_received, round_trips; // RPC servers (--rpc): this process's wire
+    empanel_rpc_wire_bytes(&wire_sent, &wire_received, &round_trips);
     fprintf(out, "{\"seconds\": %.3f, \"masked_pools\": %d, \"wire_sent\": %" PRIu64 ", \"wire_received\": %" PRIu64
-            ", \"layers\": {", (empanel_now_ns() - prog->t_open_ns) / 1e9, prog->n_masked, wire_sent, wire_received);
+            ", \"round_trips\": %" PRIu64 ", \"layers\": {", (empanel_now_ns() - prog->t_open_ns) / 1e9, prog->n_masked,
+            wire_sent, wire_received, round_trips);
     int first = 1;
     for (int32_t il = 0; il < prog->plan.n_layer; il++) {
         if (prog->plan.n_slots[il] <= 0) {

@@ -44,7 +44,7 @@ static int timeout_ms(void) {
 typedef uint64_t (*rpc_hash_fn)      (const void * data, size_t size);
 typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint64_t hash);
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
-typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received);
+typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
 typedef void     (*rpc_hello_sizes_fn)(size_t * request, size_t * response);
 
 struct rpc_fns {
@@ -107,11 +107,12 @@ int empanel_rpc_write_cached(void * pool_tensor, int32_t slot, const void * data
     return rpc()->set_cached(t, data, (size_t) slot * t->nb[2], (size_t) size) ? 0 : -1;
 }
 
-void empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received) {
-    *sent     = 0;
-    *received = 0;
+void empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received, uint64_t * round_trips) {
+    *sent        = 0;
+    *received    = 0;
+    *round_trips = 0;
     if (rpc()->found) {
-        rpc()->wire_bytes(sent, received);
+        rpc()->wire_bytes(sent, received, round_trips);
     }
 }
 

@@ -17,7 +17,7 @@ from .index import ModelError, adapter_expert_tensors, load_index
 from .plan import wants_preload
 from .pools import ExpertPools, MoeReadError, summary_line
 from .rpc import add_servers as add_rpc_servers
-from .rpc import wire_bytes as rpc_wire_bytes
+from .rpc import wire_counts as rpc_wire_counts
 from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
 
 llama_cpp = use_our_libraries()
@@ -222,13 +222,15 @@ class Llama(llama_cpp.Llama):
 
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots; None
-        without slot pools. With rpc_servers the total also has wire_sent and wire_received:
-        bytes this process exchanged with the RPC servers so far."""
+        without slot pools. With rpc_servers the total also has wire_sent, wire_received (bytes
+        this process exchanged with the RPC servers so far) and round_trips (commands it waited
+        for an answer to)."""
         if self._experts is None:
             return None
         stats = self._experts.stats()
         if self.rpc_servers:
-            stats["total"]["wire_sent"], stats["total"]["wire_received"] = rpc_wire_bytes()
+            total = stats["total"]
+            total["wire_sent"], total["wire_received"], total["round_trips"] = rpc_wire_counts()
         return stats
 
     def close(self):

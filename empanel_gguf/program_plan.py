@@ -74,5 +74,6 @@ def read_stats(path):
                 if record.get("wire_sent") or record.get("wire_received"):  # --rpc
                     stats["total"]["wire_sent"] = record["wire_sent"]
                     stats["total"]["wire_received"] = record["wire_received"]
+                    stats["total"]["round_trips"] = record.get("round_trips", 0)
                 loads.append(stats)
     return loads

@@ -46,13 +46,13 @@ def add_servers(servers):
     return endpoints
 
 
-def wire_bytes():
-    """(sent, received): bytes this process put on and took off the wire to RPC servers."""
+def wire_counts():
+    """(sent, received, round_trips): bytes this process put on and took off the wire to RPC
+    servers, and the commands it waited for an answer to (each costs the network's latency)."""
     n = native()
-    sent = n.ffi.new("uint64_t *")
-    received = n.ffi.new("uint64_t *")
-    n.sidecar.empanel_rpc_wire_bytes(sent, received)
-    return int(sent[0]), int(received[0])
+    out = n.ffi.new("uint64_t[3]")
+    n.sidecar.empanel_rpc_wire_bytes(out, out + 1, out + 2)
+    return int(out[0]), int(out[1]), int(out[2])
 
 
 def offload_devices():

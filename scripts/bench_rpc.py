@@ -18,7 +18,9 @@ routes as it would on real text, instead of repeating its own greedy tokens). Pa
 text, so the same experts) finds the hosts' caches warm: a miss there is a hash on the wire.
 Reported per pass: prompt and decode tok/s (decode: median token time), and per decoded token
 the bytes sent to and received from the servers, the expert bytes read from the local file, the
-expert tensors the hosts wrote from their caches, the hit rate; and each process's peak memory.
+expert tensors the hosts wrote from their caches, the round trips (commands the client waited
+for an answer to: on a network each costs its latency, which loopback hardly has), the hit
+rate; and each process's peak memory.
 """
 
 import argparse
@@ -62,8 +64,8 @@ CHILD = textwrap.dedent("""
     def counters():
         stats = llm.moe_stats()
         total = stats["total"] if stats else {}
-        sent, received = rpc.wire_bytes()
-        return {"sent": sent, "received": received, **{k: total.get(k, 0) for k in
+        sent, received, round_trips = rpc.wire_counts()
+        return {"sent": sent, "received": received, "round_trips": round_trips, **{k: total.get(k, 0) for k in
                 ("hits", "misses", "bytes_read", "copy_bytes", "remote_by_hash")}}
 
     def delta(a, b):
@@ -199,6 +201,7 @@ def rows(results):
                 "read_mib_per_token": per_token(tg, "bytes_read") / MiB,
                 "experts_sent_mib_per_token": per_token(tg, "copy_bytes") / MiB,
                 "by_hash_per_token": per_token(tg, "remote_by_hash"),
+                "round_trips_per_token": per_token(tg, "round_trips"),
                 "hit_rate": tg["hits"] / lookups if lookups else None,
                 "peak_gib": r["peak_rss"] / (1 << 30),
                 "host_peak_gib": [round(x / (1 << 30), 2) for x in r["host_peak_rss"] if x],
@@ -209,14 +212,14 @@ def rows(results):
 
 def print_table(table):
     print("| config | pass | pp t/s | tg t/s | sent MiB/tok | recv MiB/tok | experts sent MiB/tok | read here MiB/tok "
-          "| by hash /tok | hit | peak here GiB | hosts' peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| by hash /tok | round trips /tok | hit | peak here GiB | hosts' peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         hit = f"{100 * row['hit_rate']:.0f} %" if row["hit_rate"] is not None else "-"
         print(f"| {row['config']} | {row['pass']} | {row['pp_tps']:.2f} | {row['tg_tps']:.2f} "
               f"| {row['sent_mib_per_token']:.1f} | {row['received_mib_per_token']:.2f} "
               f"| {row['experts_sent_mib_per_token']:.1f} | {row['read_mib_per_token']:.1f} "
-              f"| {row['by_hash_per_token']:.1f} | {hit} | {row['peak_gib']:.2f} "
+              f"| {row['by_hash_per_token']:.1f} | {row['round_trips_per_token']:.1f} | {hit} | {row['peak_gib']:.2f} "
               f"| {', '.join(f'{x:.2f}' for x in row['host_peak_gib']) or '-'} |")
 
 

@@ -258,8 +258,8 @@ def _total(llm):
     stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
     total = dict(stats["total"]) if stats else None
     if getattr(llm, "rpc_servers", None) and total is None:  # stock: no pools, the wire still counts
-        from empanel_gguf.rpc import wire_bytes
+        from empanel_gguf.rpc import wire_counts
 
         total = {}
-        total["wire_sent"], total["wire_received"] = wire_bytes()
+        total["wire_sent"], total["wire_received"], total["round_trips"] = wire_counts()
     return total

@@ -165,8 +165,8 @@ def format_report(name, index, plan, stats, timings, rss):
                      f"{t['read_s']:.4f} s, {speed}")
         if "wire_sent" in t:
             lines.append(f"  rpc       {format_bytes(t['wire_sent'])} sent, {format_bytes(t['wire_received'])} "
-                         f"received; {format_bytes(t['copy_bytes'])} of experts sent, {t['remote_by_hash']} "
-                         "expert tensors written by the hosts from their caches")
+                         f"received, {t['round_trips']} round trips; {format_bytes(t['copy_bytes'])} of experts "
+                         f"sent, {t['remote_by_hash']} expert tensors written by the hosts from their caches")
         if t.get("substituted"):
             lines.append(f"  subst     {t['substituted']} routed experts stood in for (outputs approximate)")
         if t.get("preloaded"):
