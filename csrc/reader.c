@@ -97,18 +97,17 @@ static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job)
 // moe_verify the very bytes checked here are sent.
 static int remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
     struct empanel_tensor * t = job->tensor;
-    if (t->remote_cache && job->remote_hash != 0) {
+    if (job->remote_hash != 0) { // taken when it landed (not with moe_verify)
         t->remote_hash[job->expert] = job->remote_hash;
-        if (t->digest == NULL && empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
+        if (empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
             layer->stats.remote_by_hash += 1;
             return 0;
         }
-        if (empanel_rpc_write_cached(t->pool, job->slot, job->dst, t->expert_size) == 0) {
-            t->remote_sent[job->expert] = 1;
-            layer->stats.copy_bytes += t->expert_size;
-            return 0;
-        }
-    } else if (empanel_slot_write(t->pool, job->slot, job->dst, t->expert_size) == 0) {
+    }
+    const int sent = t->remote_cache ? empanel_rpc_write_cached(t->pool, job->slot, job->dst, t->expert_size)
+                                     : empanel_slot_write(t->pool, job->slot, job->dst, t->expert_size);
+    if (sent == 0) {
+        t->remote_sent[job->expert] |= t->remote_cache;
         layer->stats.copy_bytes += t->expert_size;
         return 0;
     }
@@ -119,7 +118,7 @@ static int remote_write_job(struct empanel_pool * pool, struct empanel_layer * l
 // a miss on an RPC host's pool whose bytes the host may hold (sent before, or hashed at an
 // earlier read): 1 if the host wrote them into the slot from its cache, so nothing is read
 static int remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot) {
-    if (!t->remote || !t->remote_cache || t->remote_hash[expert] == 0 || t->digest != NULL) {
+    if (!t->remote || !t->remote_cache || t->remote_hash[expert] == 0) { // (never known with moe_verify)
         return 0;
     }
     if (empanel_rpc_write_by_hash(t->pool, slot, t->remote_hash[expert])) {
@@ -172,7 +171,7 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
             atomic_store(&reader->batch_failed, 1); // skipped or failed: the batch is incomplete
         } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
-            if (job->tensor->remote && job->tensor->remote_cache) {
+            if (job->tensor->remote && job->tensor->remote_cache && job->tensor->digest == NULL) {
                 job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
             }
             if ((job->tensor->digest != NULL && verify_job(reader->pool, job) != 0) ||

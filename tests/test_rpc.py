@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -270,8 +271,6 @@ def test_serve_with_rpc(tmp_path, two_servers):
             return text, stats
         finally:
             stop_process(proc)
-
-    import urllib.request
 
     paged, stats = complete("25%")
     stock, _ = complete("none")
