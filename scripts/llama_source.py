@@ -1,9 +1,11 @@
-"""Get the llama.cpp source that empanel-gguf builds: fetch, verify, extract, patch.
+"""Get the llama.cpp source that empanel-gguf builds: fetch, verify, extract, add, patch.
 
 The source is exactly the llama.cpp vendored by the pinned llama-cpp-python source distribution
 (empanel_gguf/_pins.py). It is fetched with pip from the package registry at build time, checked
-against its SHA-256, extracted without the 75 MB of vocab models, and patched with patches/*.patch
-in order. llama.cpp source is never committed to this repository.
+against its SHA-256 and extracted without the 75 MB of vocab models. Then our own files that must
+sit in llama.cpp's tree (patches/files/: the llama_empanel_* hook module) are copied to the same
+paths in it, and patches/*.patch (edits of llama.cpp's own files) are applied in order.
+llama.cpp source is never committed to this repository.
 
     python scripts/llama_source.py prepare --dest build/llama.cpp --patches patches
     python scripts/llama_source.py apply --tree DIR patches/0001-*.patch   # on any tree
@@ -13,7 +15,8 @@ Environment:
     EMPANEL_CACHE_DIR     where the fetched sdist is kept (default ~/.cache/empanel-gguf)
 
 Patching is idempotent: a patch that is already applied is skipped; a patch that neither applies
-nor is applied fails loudly, naming the patch and the hunk that failed.
+nor is applied fails loudly, naming the patch and the hunk that failed. A file of ours that would
+replace one of llama.cpp's own is refused.
 """
 
 import argparse
@@ -30,7 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # bump when this script changes what a prepared tree contains
-PREPARE_FORMAT = 1
+PREPARE_FORMAT = 2
+
+# under patches/: our own files, copied to the same relative paths in llama.cpp's tree
+FILES_DIR = "files"
 
 # parts of vendor/llama.cpp the build never reads (vocab GGUFs alone are 75 MB)
 SKIPPED_DIRS = ("models", "media", "docs", ".devops", ".github")
@@ -184,6 +190,35 @@ def apply_patches(tree, patches, log=print):
     return applied
 
 
+def our_files(patches_dir):
+    """{path in llama.cpp's tree: our source file} for every file under patches/files/."""
+    root = Path(patches_dir) / FILES_DIR
+    if not root.is_dir():
+        return {}
+    return {path.relative_to(root).as_posix(): path for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def add_files(tree, files, log=print):
+    """Copy our files into a llama.cpp tree; skip one already there with the same bytes, refuse one
+    that would replace a file of llama.cpp's (or another version of ours). Returns those added."""
+    tree = Path(tree)
+    added = []
+    for rel, path in files.items():
+        target = tree / rel
+        if target.exists() and target.read_bytes() == path.read_bytes():
+            continue
+        if target.exists():
+            raise SourceError(
+                f"patches/{FILES_DIR}/{rel} would replace llama.cpp's own {rel}: our files must be new "
+                "files; change llama.cpp's files with a patch instead")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        added.append(rel)
+    if added:
+        log(f"empanel: added {len(added)} files of ours ({', '.join(added)})")
+    return added
+
+
 def sync_tree(src, dst):
     """Make dst equal src, rewriting only files whose bytes differ so that an incremental build
     recompiles only what a patch change touched."""
@@ -207,15 +242,23 @@ def sync_tree(src, dst):
 
 
 
+def prepare_stamp(pins, files, patches):
+    """What a prepared tree is made from: the sdist, our files and the patches (a hash)."""
+    h = hashlib.sha256(f"{PREPARE_FORMAT} {pins.LLAMA_CPP_PYTHON_SHA256}".encode())
+    for rel, path in files.items():
+        h.update(f"{FILES_DIR}/{rel}".encode() + b"\0" + path.read_bytes())
+    for patch in patches:
+        h.update(patch.name.encode() + b"\0" + patch.read_bytes())
+    return h.hexdigest()
+
+
 def prepare(dest, patches_dir, log=print):
     """Make dest the pinned llama.cpp with our patches applied. Cheap when nothing changed."""
     pins = load_pins()
     dest = Path(dest)
     patches = sorted(Path(patches_dir).glob("*.patch"))
-    h = hashlib.sha256(f"{PREPARE_FORMAT} {pins.LLAMA_CPP_PYTHON_SHA256}".encode())
-    for patch in patches:
-        h.update(patch.name.encode() + b"\0" + patch.read_bytes())
-    stamp = h.hexdigest()
+    files = our_files(patches_dir)
+    stamp = prepare_stamp(pins, files, patches)
     if (dest / STAMP).exists() and (dest / STAMP).read_text() == stamp:
         log(f"empanel: llama.cpp at {dest} is up to date")
         return dest
@@ -225,6 +268,7 @@ def prepare(dest, patches_dir, log=print):
         fresh = Path(tmp) / "llama.cpp"
         n = extract_llama(sdist, fresh)
         log(f"empanel: extracted {n} files of llama.cpp {pins.LLAMA_COMMIT[:8]} from {sdist.name}")
+        add_files(fresh, files, log=log)
         apply_patches(fresh, patches, log=log)
         if (dest / STAMP).exists():
             (dest / STAMP).unlink()
@@ -251,7 +295,7 @@ def main(argv=None):
     p.add_argument("--cmake-vars", help="also write the pins as a CMake file here")
     c = sub.add_parser("cmake-vars", help="write the pins as a CMake file")
     c.add_argument("--out", required=True)
-    a = sub.add_parser("apply", help="apply patches to an existing llama.cpp tree")
+    a = sub.add_parser("apply", help="add our files (patches/files/) and apply patches to an existing llama.cpp tree")
     a.add_argument("--tree", required=True)
     a.add_argument("patches", nargs="+")
     sub.add_parser("fetch", help="fetch and verify the sdist; print its path")
@@ -264,6 +308,7 @@ def main(argv=None):
         elif args.command == "cmake-vars":
             write_cmake_vars(args.out)
         elif args.command == "apply":
+            add_files(args.tree, our_files(REPO / "patches"))
             apply_patches(args.tree, args.patches)
         else:
             print(fetch_sdist(load_pins()))

@@ -156,6 +156,9 @@ def test_real_patches_apply_to_pinned_llama_cpp(tmp_path):
     llama_source.check_sdist(sdist, pins)
     tree = tmp_path / "llama.cpp"
     llama_source.extract_llama(sdist, tree)
+    files = llama_source.our_files(REPO / "patches")
+    assert "src/llama-empanel.cpp" in files and "include/llama-empanel.h" in files
+    assert llama_source.add_files(tree, files, log=lambda _: None) == list(files)  # none of llama.cpp's replaced
     patches = sorted((REPO / "patches").glob("*.patch"))
     assert patches, "patches/ is empty"
     applied = llama_source.apply_patches(tree, patches, log=lambda _: None)
@@ -163,6 +166,35 @@ def test_real_patches_apply_to_pinned_llama_cpp(tmp_path):
     assert (tree / "include" / "llama-empanel.h").exists()
     # idempotent on the real tree as well
     assert llama_source.apply_patches(tree, patches, log=lambda _: None) == []
+    assert llama_source.add_files(tree, files, log=lambda _: None) == []
+
+
+def test_our_files_never_replace_llama_cpp_files(tmp_path):
+    """patches/files/ adds new files only: one that would overwrite a file of llama.cpp's tree
+    (or a different version of ours) is refused, naming it; an identical copy is skipped."""
+    tree = tmp_path / "tree"
+    write_tree(tree, ORIGINAL)
+    ours = tmp_path / "patches" / llama_source.FILES_DIR
+    write_tree(ours, {"src/ours.cpp": "int ours(void) { return 1; }\n"})
+    files = llama_source.our_files(tmp_path / "patches")
+    assert llama_source.add_files(tree, files, log=lambda _: None) == ["src/ours.cpp"]
+    assert llama_source.add_files(tree, files, log=lambda _: None) == []  # already there
+    write_tree(ours, {"src/graph.cpp": "int replaced;\n"})
+    with pytest.raises(llama_source.SourceError, match="would replace llama.cpp's own src/graph.cpp"):
+        llama_source.add_files(tree, llama_source.our_files(tmp_path / "patches"), log=lambda _: None)
+    assert (tree / "src" / "graph.cpp").read_text() == ORIGINAL["src/graph.cpp"]
+
+
+def test_prepared_tree_changes_with_our_files(tmp_path):
+    """The prepared tree's stamp covers patches/files/: editing one of our sources prepares the
+    tree again (else the build would compile a stale copy)."""
+    pins = llama_source.load_pins()
+    write_tree(tmp_path / llama_source.FILES_DIR, {"src/ours.cpp": "// one\n"})
+    files = llama_source.our_files(tmp_path)
+    before = llama_source.prepare_stamp(pins, files, [])
+    assert llama_source.prepare_stamp(pins, files, []) == before
+    write_tree(tmp_path / llama_source.FILES_DIR, {"src/ours.cpp": "// two\n"})
+    assert llama_source.prepare_stamp(pins, files, []) != before
 
 
 # -- the native seam ------------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+#pragma once
+
+// empanel-gguf hooks: a small C API through which the empanel-gguf sidecar (expert slot pools,
+// reader threads) connects to llama.cpp. Only hooks live here; the logic lives in empanel-gguf.
+// No struct that the llama-cpp-python ctypes bindings mirror is changed by these hooks.
+
+#include "llama.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// bumped whenever a function below changes; empanel-gguf refuses a library with another version
+#define LLAMA_EMPANEL_API_VERSION 8
+
+    LLAMA_API int32_t      llama_empanel_api_version(void);
+
+    // the llama.cpp commit this library was built from (set by the empanel-gguf build)
+    LLAMA_API const char * llama_empanel_llama_commit(void);
+
+    //
+    // expert slot pools
+    //
+    // A paged MoE layer's routed-expert weights (blk.N.ffn_{gate,up,down,gate_up}_exps.weight) are
+    // never read at load and never allocated at full size: each becomes a pool tensor
+    // [ne0, ne1, n_slots] in the buffer type the loader would have chosen, zero-filled. In the graph,
+    // after the router's top-k, a remap op hands the expert ids of the micro-batch to `remap`,
+    // which returns slot ids (making the experts resident first); MUL_MAT_ID runs over the pool
+    // with the slot ids, while router weights, expert biases and scales keep the expert ids.
+    //
+    // Waves: a micro-batch whose tokens may route to more distinct experts than a pool holds
+    // (n_tokens x n_used > n_slots) runs each pool's MUL_MAT_ID as a chain of n_waves calls, each
+    // over the pairs routed to one wave's experts (the others get slot id -1, which the CPU
+    // kernels skip) and writing into the previous call's output, so every (token, expert) pair is
+    // computed once, by the same kernel, as in a resident layer. Pools that a GPU kernel may
+    // compute on (device memory, or plain host memory in a build with a GPU backend, which op
+    // offload may copy to the device) cannot skip pairs: their waves are masked instead. Each wave
+    // multiplies every pair (the other waves' pairs over distinct slots of the token's that are
+    // not in flight), its product times a 0/1 mask [1, n_used, n_tokens] is added to the sum, so
+    // each element is one wave's value plus zeros: exact as well, at n_waves times the compute.
+
+    // experts one wave holds at most in a pool of n_slots: half of it, so that the next wave's
+    // experts can be read into the other half while this one computes
+    static inline int32_t llama_empanel_wave_experts(int32_t n_slots) {
+        return n_slots >= 2 ? n_slots/2 : 1;
+    }
+
+    // expert ids [n_tokens][n_used] (row i at expert_ids + i*ids_row_stride) -> slot ids, written
+    // contiguously to slot_ids [n_tokens][n_used]. pool == NULL: one call for all the layer's pools
+    // (one wave); else the call for wave `wave` of `n_waves` of that pool tensor only, with -1 for
+    // the pairs of other waves. Returns 0, or non-zero on failure (the graph then runs on slot 0
+    // and the caller's abort callback must stop it).
+    typedef int32_t (*llama_empanel_remap_fn)(
+            void                     * user,
+            int32_t                    il,
+            const struct ggml_tensor * pool,
+            int32_t                    wave,
+            int32_t                    n_waves,
+            const int32_t            * expert_ids,
+            int64_t                    ids_row_stride,
+            int32_t                  * slot_ids,
+            int32_t                    n_used,
+            int32_t                    n_tokens);
+
+    // the plan for the next model load on this thread: layer il is paged with n_slots[il] slots;
+    // 0: resident as usual; < 0: resident, and the remap hook sees its expert ids (and must
+    // return them unchanged), e.g. to trace routing. A plan that pages a layer never maps the
+    // file with MAP_POPULATE.
+    LLAMA_API void llama_empanel_set_plan(
+            const int32_t        * n_slots,
+            int32_t                n_layer,
+            llama_empanel_remap_fn remap,
+            void                 * user);
+
+    // the gate-ahead guess: while a paged layer runs a micro-batch that fits its pools, the next
+    // `depth` paged layers' routers (with their input bias, gating and selection bias; no group
+    // limit) are applied to this layer's FFN input, after this layer's remap, and their top-k
+    // handed to `guess` as expert ids [n_tokens][n_used] for layer il, `distance` paged layers
+    // ahead. Guesses never change what is computed. Call after llama_empanel_set_plan, before
+    // the load; depth 0 (the default) builds none.
+    typedef int32_t (*llama_empanel_guess_fn)(
+            void          * user,
+            int32_t         il,
+            int32_t         distance,
+            const int32_t * expert_ids,
+            int64_t         ids_row_stride,
+            int32_t         n_used,
+            int32_t         n_tokens);
+
+    LLAMA_API void llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth);
+
+    // routing substitution (opt-in, inexact): in every paged layer whose gating gives scores
+    // (softmax, sigmoid, sqrt(softplus)), the router's top n_used + n_alt choices and their
+    // selection scores [n_expert, n_tokens] go to `subst` with the top-k ids [n_tokens][n_used],
+    // which it may change in place (a routed expert that is not resident replaced by a resident
+    // one among the next choices); the routing weights are then taken for the ids it leaves.
+    // Call after llama_empanel_set_plan, before the load; NULL (the default) builds none.
+    typedef int32_t (*llama_empanel_subst_fn)(
+            void          * user,
+            int32_t         il,
+            int32_t       * expert_ids,
+            int64_t         ids_row_stride,
+            int32_t         n_used,
+            const int32_t * candidates,
+            int64_t         cand_row_stride,
+            int32_t         n_cand,
+            const float   * scores,
+            int64_t         scores_row_stride,
+            int32_t         n_tokens);
+
+    LLAMA_API void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt);
+
+    // forget the plan (and any pools of a load that failed); call after the load returns
+    LLAMA_API void llama_empanel_clear_plan(void);
+
+    // number of pool tensors of a loaded model, and one by its GGUF tensor name (NULL if not paged)
+    LLAMA_API int32_t             llama_empanel_n_pools(const struct llama_model * model);
+    LLAMA_API struct ggml_tensor * llama_empanel_pool(const struct llama_model * model, const char * name);
+
+    // whether a pool's waves are masked (above): its kernels read every slot while a wave
+    // computes, so no slot of it may be written then
+    LLAMA_API bool    llama_empanel_pool_masked(const struct ggml_tensor * pool);
+
+    // llama.cpp's programs: with EMPANEL_PLAN=<plan file> in the environment (written by
+    // `empanel-gguf llama-server ...`), each load of the model that the plan names gets its slot
+    // pools from the sidecar (EMPANEL_SIDECAR, else the libempanel next to this library), and a
+    // computation during which an expert read failed fails (GGML_STATUS_FAILED, llama_decode: -3).
+    // Prometheus text of those pools' counters ("" without any), for llama-server's /metrics.
+    LLAMA_API const char * llama_empanel_program_metrics(void);
+
+    // the pool tensors are ordinary ggml tensors in ordinary backend buffers: empanel-gguf finds
+    // their memory and writes their slots through ggml's public backend API (csrc/backend.c)
+#ifdef __cplusplus
+}
+#endif

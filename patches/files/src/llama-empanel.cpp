@@ -1,0 +1,732 @@
+#include "llama-empanel.h"
+#include "llama-empanel-impl.h"
+
+#include "llama-hparams.h"
+#include "llama-impl.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+
+#ifndef EMPANEL_LLAMA_COMMIT
+#define EMPANEL_LLAMA_COMMIT "unknown"
+#endif
+
+int32_t llama_empanel_api_version(void) {
+    return LLAMA_EMPANEL_API_VERSION;
+}
+
+const char * llama_empanel_llama_commit(void) {
+    return EMPANEL_LLAMA_COMMIT;
+}
+
+//
+// expert slot pools
+//
+
+struct llama_empanel_layer;
+
+// what the remap op of one wave of one pool calls (the op's userdata)
+struct llama_empanel_wave {
+    llama_empanel_layer * layer;
+    const ggml_tensor   * pool;
+    int32_t               wave;
+    int32_t               n_waves;
+};
+
+struct llama_empanel_layer;
+
+// what the guess op of one paged layer for a later one calls (the op's userdata)
+struct llama_empanel_guess {
+    llama_empanel_layer * target;   // the layer guessed
+    int32_t               distance; // paged layers ahead
+};
+
+// what the remap op of one paged layer calls
+struct llama_empanel_layer {
+    int32_t                il;
+    llama_empanel_remap_fn remap;
+    void                 * user;
+    llama_empanel_guess_fn guess = nullptr;
+    llama_empanel_subst_fn subst = nullptr;
+    int32_t                subst_alt = 0;
+    ggml_tensor          * router      = nullptr; // ffn_gate_inp.weight [n_embd, n_expert]
+    ggml_tensor          * router_bias = nullptr; // ffn_gate_inp.bias, or NULL
+    ggml_tensor          * probs_bias  = nullptr; // exp_probs_b.bias (selection bias), or NULL
+    std::vector<llama_empanel_guess> guesses;     // the later layers this one guesses
+    bool                   observe;  // no pool: remap sees the ids and returns them (traces)
+    int32_t                n_slots  = 0;
+    int32_t                n_expert = 0;
+    int32_t                n_pools  = 0;
+    bool                   waves    = false; // micro-batches larger than the pools run in waves
+    std::set<const ggml_tensor *> masked;     // pools whose waves are masked (no kernel skip)
+
+    // userdata of the wave remap ops built so far, by (pool, wave, n_waves)
+    std::map<std::tuple<const ggml_tensor *, int32_t, int32_t>, std::unique_ptr<llama_empanel_wave>> wave_ops;
+};
+
+// the plan and the pools of the load running on this thread
+struct llama_empanel_load {
+    std::vector<int32_t>   n_slots; // [n_layer]
+    int32_t                n_expert = 0;
+    bool                   gpu      = false; // a GPU backend may compute on plain host pools
+    llama_empanel_remap_fn remap = nullptr;
+    void                 * user  = nullptr;
+    llama_empanel_guess_fn guess = nullptr;
+    int32_t                guess_depth = 0;
+    llama_empanel_subst_fn subst = nullptr;
+    int32_t                subst_alt = 0;
+    std::map<int32_t, ggml_tensor *> routers, router_biases, probs_biases; // il -> tensor
+
+    std::map<ggml_backend_buffer_type_t, ggml_context_ptr> pool_ctxs;
+    std::vector<ggml_tensor *>                             observed; // resident weights of observed layers
+};
+
+// the pools of a loaded model
+struct llama_empanel_model {
+    std::map<std::string, ggml_tensor *>                    pools;    // GGUF tensor name -> pool
+    std::vector<ggml_tensor *>                              observed; // weights of observed layers
+    std::vector<std::unique_ptr<llama_empanel_layer>>      layers;   // userdata of the remap ops
+};
+
+static thread_local std::unique_ptr<llama_empanel_load> g_load;
+
+static std::mutex                                            g_mutex;
+static std::map<const llama_model *, llama_empanel_model>   g_models;
+static std::map<const ggml_tensor *, llama_empanel_layer *> g_pool_layer; // pool tensor -> its layer
+
+// a GPU (or iGPU) backend's device is registered: op offload may take plain host pools'
+// MUL_MAT_IDs to it. RPC devices do not count (they never offload; their pools are device pools)
+static bool empanel_offload_gpu() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+        if ((type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) &&
+            strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") != 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+void llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empanel_remap_fn remap, void * user) {
+    g_load = std::make_unique<llama_empanel_load>();
+    g_load->n_slots.assign(n_slots, n_slots + n_layer);
+    g_load->remap = remap;
+    g_load->user  = user;
+    // op offload may take plain host pools' MUL_MAT_IDs to a GPU. EMPANEL_WAVE_MASK=1 treats any
+    // build so (tests run masked waves on the CPU)
+    const char * mask = getenv("EMPANEL_WAVE_MASK");
+    g_load->gpu = empanel_offload_gpu() || (mask != nullptr && strcmp(mask, "1") == 0);
+}
+
+void llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth) {
+    if (g_load) {
+        g_load->guess       = guess;
+        g_load->guess_depth = guess != nullptr && depth > 0 ? depth : 0;
+    }
+}
+
+void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt) {
+    if (g_load) {
+        g_load->subst     = subst;
+        g_load->subst_alt = subst != nullptr && n_alt > 0 ? n_alt : 0;
+    }
+}
+
+void llama_empanel_clear_plan(void) {
+    g_load.reset();
+}
+
+bool llama_empanel_plan_set() {
+    return g_load != nullptr;
+}
+
+bool llama_empanel_plan_active() {
+    if (g_load) {
+        for (int32_t n : g_load->n_slots) {
+            if (n > 0) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+// "blk.<il>.ffn_<gate|up|down|gate_up>_exps.weight" -> il, else -1
+static int32_t empanel_expert_weight_layer(const char * name) {
+    int il  = -1;
+    int end = 0;
+    char kind[16] = {0};
+    if (sscanf(name, "blk.%d.ffn_%15[a-z_]%n", &il, kind, &end) != 2 || name[end] != '.') {
+        return -1;
+    }
+    static const char * kinds[] = { "gate_exps", "up_exps", "down_exps", "gate_up_exps" };
+    for (const char * k : kinds) {
+        if (strcmp(kind, k) == 0 && strcmp(name + end, ".weight") == 0) {
+            return il;
+        }
+    }
+    return -1;
+}
+
+int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta) {
+    if (!g_load) {
+        return 0;
+    }
+    const int32_t il = empanel_expert_weight_layer(name);
+    if (il < 0 || il >= (int32_t) g_load->n_slots.size() || g_load->n_slots[il] <= 0) {
+        return 0;
+    }
+    if (ggml_n_dims(meta) != 3) {
+        throw std::runtime_error(format("empanel: routed-expert tensor %s is not 3-D", name));
+    }
+    g_load->n_expert = (int32_t) meta->ne[2];
+    return g_load->n_slots[il];
+}
+
+void llama_empanel_observe(ggml_tensor * t) {
+    if (!g_load) {
+        return;
+    }
+    // a paged layer's router and biases, for the gate-ahead guesses of the layers before it
+    int  rl  = -1;
+    int  end = 0;
+    char kind[32] = {0};
+    if (g_load->guess_depth > 0 && sscanf(ggml_get_name(t), "blk.%d.%31[a-z_.]%n", &rl, kind, &end) == 2 &&
+        ggml_get_name(t)[end] == '\0' && rl >= 0 && rl < (int32_t) g_load->n_slots.size() && g_load->n_slots[rl] > 0) {
+        if (strcmp(kind, "ffn_gate_inp.weight") == 0) { g_load->routers[rl]       = t; }
+        if (strcmp(kind, "ffn_gate_inp.bias")   == 0) { g_load->router_biases[rl] = t; }
+        if (strcmp(kind, "exp_probs_b.bias")    == 0) { g_load->probs_biases[rl]  = t; }
+    }
+    const int32_t il = empanel_expert_weight_layer(ggml_get_name(t));
+    if (il >= 0 && il < (int32_t) g_load->n_slots.size() && g_load->n_slots[il] < 0) {
+        g_load->observed.push_back(t);
+    }
+}
+
+ggml_context * llama_empanel_pool_ctx(ggml_backend_buffer_type_t buft) {
+    GGML_ASSERT(g_load);
+    auto it = g_load->pool_ctxs.find(buft);
+    if (it != g_load->pool_ctxs.end()) {
+        return it->second.get();
+    }
+    ggml_init_params params = {
+        /*.mem_size   =*/ ggml_tensor_overhead()*4*g_load->n_slots.size(), // up to 4 kinds per layer
+        /*.mem_buffer =*/ NULL,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+    if (!ctx) {
+        throw std::runtime_error("empanel: failed to create the pool context");
+    }
+    g_load->pool_ctxs.emplace(buft, ggml_context_ptr(ctx));
+    return ctx;
+}
+
+// CPU extra buffer types (CPU_REPACK) are host memory that does not say so (is_host is for the
+// plain layout): they belong to the CPU device
+static bool empanel_buffer_in_host_memory(ggml_backend_buffer_t buf) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
+    const bool cpu = dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+    return ggml_backend_buffer_is_host(buf) || cpu;
+}
+
+void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs) {
+    if (!g_load || (g_load->pool_ctxs.empty() && g_load->observed.empty())) {
+        return;
+    }
+    llama_empanel_model entry;
+    std::map<int32_t, llama_empanel_layer *> layer_of; // il -> its remap state
+    auto layer_for = [&](int32_t il, bool observe) {
+        if (layer_of.find(il) == layer_of.end()) {
+            auto layer = std::make_unique<llama_empanel_layer>();
+            layer->il       = il;
+            layer->remap    = g_load->remap;
+            layer->user     = g_load->user;
+            layer->subst    = observe ? nullptr : g_load->subst;
+            layer->subst_alt = g_load->subst_alt;
+            layer->observe  = observe;
+            layer->n_slots  = observe ? 0 : g_load->n_slots[il];
+            layer->n_expert = g_load->n_expert;
+            layer->waves    = !observe && !no_alloc;
+            entry.layers.push_back(std::move(layer));
+            layer_of[il] = entry.layers.back().get();
+        }
+        return layer_of[il];
+    };
+
+    for (auto & [buft, ctx_ptr] : g_load->pool_ctxs) {
+        ggml_context * ctx = ctx_ptr.get();
+        ggml_backend_buffer_t buf;
+        if (no_alloc) {
+            buf = ggml_backend_buft_alloc_buffer(buft, 0); // dummy buffer, as for the other weights
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+                t->buffer = buf;
+            }
+        } else {
+            buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+            if (buf == nullptr) {
+                throw std::runtime_error(format("empanel: unable to allocate the %s slot pools", ggml_backend_buft_name(buft)));
+            }
+            // never-loaded slots hold zeros, never NaN garbage. Host pools are zeroed by the
+            // sidecar page by page instead (csrc/backend.c), so that slots that
+            // hold no expert take no memory.
+            if (!empanel_buffer_in_host_memory(buf)) {
+                ggml_backend_buffer_clear(buf, 0);
+            }
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        LLAMA_LOG_INFO("%s: %12s slot pools size = %8.2f MiB\n", __func__,
+                ggml_backend_buffer_name(buf), ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+            llama_empanel_layer * layer = layer_for(empanel_expert_weight_layer(ggml_get_name(t)), false);
+            layer->n_pools++;
+            // the CPU kernels skip other waves' pairs; pools a GPU kernel may compute on (device
+            // memory; plain host memory that op offload may copy) mask them instead. CPU_REPACK
+            // pools are never offloaded (their buffer is not plain host memory)
+            if (!empanel_buffer_in_host_memory(buf) || (ggml_backend_buffer_is_host(buf) && g_load->gpu)) {
+                layer->masked.insert(t);
+            }
+            entry.pools[ggml_get_name(t)] = t;
+        }
+        std::vector<ggml_backend_buffer_ptr> bufs;
+        bufs.emplace_back(buf);
+        ctxs_bufs.emplace_back(std::move(ctx_ptr), std::move(bufs));
+    }
+    g_load->pool_ctxs.clear();
+
+    // gate-ahead guesses: each paged layer guesses the next guess_depth paged layers with a router
+    std::vector<llama_empanel_layer *> paged; // ascending il
+    for (auto & [il, layer] : layer_of) {
+        if (!layer->observe && g_load->routers.count(il)) {
+            layer->router      = g_load->routers[il];
+            layer->router_bias = g_load->router_biases.count(il) ? g_load->router_biases[il] : nullptr;
+            layer->probs_bias  = g_load->probs_biases.count(il)  ? g_load->probs_biases[il]  : nullptr;
+            layer->guess       = g_load->guess;
+            paged.push_back(layer);
+        }
+    }
+    for (size_t i = 0; i < paged.size(); i++) {
+        for (int32_t d = 1; d <= g_load->guess_depth && i + d < paged.size(); d++) {
+            paged[i]->guesses.push_back({ paged[i + d], d });
+        }
+    }
+    entry.observed = std::move(g_load->observed);
+    g_load->observed.clear();
+
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (auto & [name, t] : entry.pools) {
+        g_pool_layer[t] = layer_of.at(empanel_expert_weight_layer(name.c_str()));
+    }
+    for (ggml_tensor * t : entry.observed) {
+        g_pool_layer[t] = layer_for(empanel_expert_weight_layer(ggml_get_name(t)), true);
+    }
+    g_models[model] = std::move(entry);
+}
+
+void llama_empanel_model_free(const llama_model * model) {
+    llama_empanel_program_close(model);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_models.find(model);
+    if (it == g_models.end()) {
+        return;
+    }
+    for (auto & [name, t] : it->second.pools) {
+        GGML_UNUSED(name);
+        g_pool_layer.erase(t);
+    }
+    for (ggml_tensor * t : it->second.observed) {
+        g_pool_layer.erase(t);
+    }
+    g_models.erase(it);
+}
+
+int32_t llama_empanel_n_pools(const llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_models.find(model);
+    return it == g_models.end() ? 0 : (int32_t) it->second.pools.size();
+}
+
+ggml_tensor * llama_empanel_pool(const llama_model * model, const char * name) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_models.find(model);
+    if (it == g_models.end()) {
+        return nullptr;
+    }
+    auto jt = it->second.pools.find(name);
+    return jt == it->second.pools.end() ? nullptr : jt->second;
+}
+
+//
+// graph
+//
+
+bool llama_empanel_pool_masked(const ggml_tensor * pool) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_pool_layer.find(pool);
+    return it != g_pool_layer.end() && it->second->masked.count(pool) > 0;
+}
+
+bool llama_empanel_is_pool(const ggml_tensor * w) {
+    if (w == nullptr) {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_pool_layer.find(w);
+    return it != g_pool_layer.end() && !it->second->observe;
+}
+
+// the sidecar's remap: slot_ids [n_used, n_tokens] (contiguous) for a = expert ids [n_used,
+// n_tokens] of one wave of one pool (wave == NULL: all the layer's pools, one wave); 0 on success
+static int32_t empanel_call_remap(const llama_empanel_layer * layer, const llama_empanel_wave * wave,
+                                  const ggml_tensor * a, int32_t * slot_ids) {
+    return layer->remap(layer->user, layer->il,
+            wave ? wave->pool : nullptr, wave ? wave->wave : 0, wave ? wave->n_waves : 1,
+            (const int32_t *) a->data, (int64_t) (a->nb[1]/sizeof(int32_t)),
+            slot_ids, (int32_t) a->ne[0], (int32_t) a->ne[1]);
+}
+
+// CPU op: dst = slot ids of a (empanel_call_remap)
+static void empanel_remap(ggml_tensor * dst, const ggml_tensor * a, const llama_empanel_layer * layer,
+                          const llama_empanel_wave * wave) {
+    if (empanel_call_remap(layer, wave, a, (int32_t *) dst->data) != 0) {
+        // slot 0 exists and holds finite numbers; the sidecar's abort callback stops this graph
+        memset(dst->data, 0, ggml_nbytes(dst));
+    }
+}
+
+static void empanel_remap_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        empanel_remap(dst, a, (const llama_empanel_layer *) userdata, nullptr);
+    }
+}
+
+// the first wave of a pool: a = expert ids
+static void empanel_wave_first_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        const auto * wave = (const llama_empanel_wave *) userdata;
+        empanel_remap(dst, a, wave->layer, wave);
+    }
+}
+
+// a later wave: a = expert ids, b = the previous wave's MUL_MAT_ID (only to run after it)
+static void empanel_wave_next_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
+    GGML_UNUSED(b);
+    empanel_wave_first_op(dst, a, ith, nth, userdata);
+}
+
+// whether a pair of this wave in row [n_used] uses slot s
+static bool empanel_row_uses_slot(const int32_t * row, const int32_t * in_wave, int32_t n_used, int32_t s) {
+    for (int32_t j = 0; j < n_used; j++) {
+        if (in_wave[j] && row[j] == s) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// a masked wave: dst = [n_used, n_tokens, 2] I32, plane 0 the slot ids of every pair (the pairs of
+// other waves get slots that this token's pairs of this wave do not use, distinct per token, as
+// GPU kernels assume), plane 1 whether the pair is this wave's (1) or not (0). src[0] = expert
+// ids, src[1] (later waves) = one element of the previous wave's product, only to run after it
+static void empanel_wave_masked_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto        * wave     = (const llama_empanel_wave *) userdata;
+    const ggml_tensor * a        = dst->src[0];
+    const int32_t       n_used   = (int32_t) a->ne[0];
+    const int32_t       n_tokens = (int32_t) a->ne[1];
+    int32_t * slot_ids = (int32_t *) dst->data;            // [n_used, n_tokens]
+    int32_t * in_wave  = slot_ids + (int64_t) n_used*n_tokens; // [n_used, n_tokens]
+    const int32_t rc = empanel_call_remap(wave->layer, wave, a, slot_ids);
+    for (int32_t t = 0; t < n_tokens; t++) {
+        int32_t * row  = slot_ids + (int64_t) t*n_used;
+        int32_t * flag = in_wave  + (int64_t) t*n_used;
+        for (int32_t j = 0; j < n_used; j++) {
+            flag[j] = rc == 0 && row[j] >= 0; // on failure no pair counts (the graph is stopped)
+            row[j]  = flag[j] ? row[j] : -1;
+        }
+        // the smallest slots this token's wave pairs leave free: at most n_used - 1 < n_slots
+        int32_t next = 0;
+        for (int32_t j = 0; j < n_used; j++) {
+            if (row[j] >= 0) {
+                continue;
+            }
+            while (empanel_row_uses_slot(row, flag, n_used, next)) {
+                next++;
+            }
+            row[j] = next++;
+        }
+    }
+}
+
+// dst = the 0/1 mask [1, n_used, n_tokens] F32 of a masked wave's pairs; src[0] = its remap
+static void empanel_wave_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    GGML_UNUSED(userdata);
+    if (ith != 0) {
+        return;
+    }
+    const int64_t   n_pairs = ggml_nelements(dst);
+    const int32_t * in_wave = (const int32_t *) dst->src[0]->data + n_pairs;
+    float         * mask    = (float *) dst->data;
+    for (int64_t i = 0; i < n_pairs; i++) {
+        mask[i] = in_wave[i] ? 1.0f : 0.0f;
+    }
+}
+
+// waves for a micro-batch of n_tokens x n_used pairs (1: it always fits the pools)
+static int32_t empanel_n_waves(const llama_empanel_layer * layer, int64_t n_tokens, int64_t n_used) {
+    const int64_t n_pairs = n_tokens*n_used;
+    if (!layer->waves || layer->n_slots >= layer->n_expert || n_pairs <= layer->n_slots) {
+        return 1;
+    }
+    const int64_t n_distinct = std::min<int64_t>(layer->n_expert, n_pairs);
+    const int64_t per_wave   = llama_empanel_wave_experts(layer->n_slots);
+    return (int32_t) ((n_distinct + per_wave - 1)/per_wave);
+}
+
+static llama_empanel_layer * empanel_layer_of(const ggml_tensor * w) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_pool_layer.find(w);
+    return it == g_pool_layer.end() ? nullptr : it->second;
+}
+
+// CPU op: dst = a (this layer's slot ids), and the guess b (expert ids [n_used, n_tokens] of a
+// later layer) handed to the sidecar: after this layer's remap, before its experts compute
+static void empanel_guess_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    memcpy(dst->data, a->data, ggml_nbytes(a));
+    const llama_empanel_guess * g = (const llama_empanel_guess *) userdata;
+    g->target->guess(g->target->user, g->target->il, g->distance, (const int32_t *) b->data,
+                     b->nb[1]/sizeof(int32_t), (int32_t) b->ne[0], (int32_t) b->ne[1]);
+}
+
+ggml_tensor * llama_empanel_build_guess(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * cur, ggml_tensor * slot_ids,
+                                        int gating_op, int64_t n_used) {
+    llama_empanel_layer * layer = empanel_layer_of(w);
+    if (layer == nullptr || layer->guesses.empty() || empanel_n_waves(layer, cur->ne[1], n_used) > 1) {
+        return slot_ids; // micro-batches in waves read their experts anyway: no guesses for them
+    }
+    for (llama_empanel_guess & g : layer->guesses) {
+        llama_empanel_layer * target = g.target;
+        ggml_tensor * sel = ggml_mul_mat(ctx, target->router, cur); // [n_expert, n_tokens]
+        if (target->router_bias != nullptr) {
+            sel = ggml_add(ctx, sel, target->router_bias);
+        }
+        // softmax, sigmoid and sqrt(softplus) keep the order of the logits: only a selection bias
+        // needs the gating applied first
+        if (target->probs_bias != nullptr) {
+            switch (gating_op) {
+                case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:       sel = ggml_sigmoid(ctx, sel);                  break;
+                case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS: sel = ggml_sqrt(ctx, ggml_softplus(ctx, sel)); break;
+                case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:       sel = ggml_soft_max(ctx, sel);                 break;
+                default:                                                                                         break;
+            }
+            sel = ggml_add(ctx, sel, target->probs_bias);
+        }
+        ggml_tensor * top = ggml_argsort_top_k(ctx, sel, n_used); // [n_used, n_tokens]
+        slot_ids = ggml_map_custom2(ctx, slot_ids, top, empanel_guess_op, 1, &g);
+        ggml_format_name(slot_ids, "ffn_moe_slots-%d-guess-%d", layer->il, target->il);
+    }
+    return slot_ids;
+}
+
+// CPU op: dst = a (top-k ids [n_used, n_tokens]) after the sidecar's substitution; b = the top
+// n_used + n_alt choices, c = the selection scores [n_expert, n_tokens]
+static void empanel_subst_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * c,
+                             int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const llama_empanel_layer * layer = (const llama_empanel_layer *) userdata;
+    for (int64_t t = 0; t < a->ne[1]; t++) { // dst contiguous [n_used, n_tokens]
+        memcpy((char *) dst->data + t*dst->nb[1], (const char *) a->data + t*a->nb[1], a->ne[0]*sizeof(int32_t));
+    }
+    layer->subst(layer->user, layer->il, (int32_t *) dst->data, dst->nb[1]/sizeof(int32_t), (int32_t) a->ne[0],
+                 (const int32_t *) b->data, b->nb[1]/sizeof(int32_t), (int32_t) b->ne[0],
+                 (const float *) c->data, c->nb[1]/sizeof(float), (int32_t) a->ne[1]);
+}
+
+ggml_tensor * llama_empanel_build_subst(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * scores,
+                                        ggml_tensor * selected, int gating_op, int64_t n_used) {
+    llama_empanel_layer * layer = empanel_layer_of(w);
+    // scores must be positive probabilities for "at least r x the missing one's"
+    if (layer == nullptr || layer->subst == nullptr || gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ||
+        scores->type != GGML_TYPE_F32 || !ggml_is_contiguous(scores)) {
+        return selected;
+    }
+    const int64_t n_cand = std::min<int64_t>(n_used + layer->subst_alt, scores->ne[0]);
+    ggml_tensor * cand = ggml_argsort_top_k(ctx, scores, n_cand); // [n_cand, n_tokens]
+    ggml_tensor * out  = ggml_map_custom3(ctx, selected, cand, scores, empanel_subst_op, 1, layer);
+    ggml_format_name(out, "ffn_moe_topk_subst-%d", layer->il);
+    return out;
+}
+
+ggml_tensor * llama_empanel_build_remap(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * ids) {
+    llama_empanel_layer * layer = empanel_layer_of(w);
+    if (layer == nullptr) {
+        return ids;
+    }
+    GGML_ASSERT(ids->type == GGML_TYPE_I32 && ggml_n_dims(ids) <= 2 && ids->nb[0] == sizeof(int32_t));
+    if (empanel_n_waves(layer, ids->ne[1], ids->ne[0]) > 1) {
+        return ids; // each pool's MUL_MAT_ID remaps its waves (llama_empanel_mul_mat_id)
+    }
+    ggml_tensor * slots = ggml_map_custom1(ctx, ids, empanel_remap_op, 1, layer);
+    ggml_format_name(slots, "ffn_moe_slots-%d", layer->il);
+    return slots;
+}
+
+// the op a custom map node runs (the first field of its op params)
+static void * empanel_custom_fn(const ggml_tensor * t) {
+    void * fn = nullptr;
+    memcpy(&fn, t->op_params, sizeof(fn));
+    return fn;
+}
+
+static bool empanel_is_slot_ids(const ggml_tensor * t) {
+    if (t == nullptr || (t->op != GGML_OP_MAP_CUSTOM1 && t->op != GGML_OP_MAP_CUSTOM2)) {
+        return false;
+    }
+    void * fn = empanel_custom_fn(t);
+    return fn == (void *) empanel_remap_op || fn == (void *) empanel_wave_first_op || fn == (void *) empanel_wave_next_op ||
+           fn == (void *) empanel_guess_op;
+}
+
+ggml_tensor * llama_empanel_expert_ids(ggml_tensor * ids) {
+    while (ids != nullptr && ids->op == GGML_OP_MAP_CUSTOM2 && empanel_custom_fn(ids) == (void *) empanel_guess_op) {
+        ids = ids->src[0]; // a guess passes the layer's slot ids through
+    }
+    return empanel_is_slot_ids(ids) ? ids->src[0] : ids;
+}
+
+// one masked wave of pool w: its product times its mask, added to sum (the previous waves', NULL
+// for the first); returns the new sum [ne1 of w, n_used, n_tokens]
+static ggml_tensor * empanel_masked_wave(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
+                                         llama_empanel_wave * wave, ggml_tensor * sum) {
+    const int64_t n_used   = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+    // the remap waits on one element of the previous sum (a device result: 4 bytes to the host)
+    ggml_tensor * args[2] = { ids, sum == nullptr ? nullptr : ggml_view_1d(ctx, sum, 1, 0) };
+    ggml_tensor * remap   = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 2, 1, args, sum == nullptr ? 1 : 2,
+                                           empanel_wave_masked_op, 1, wave);
+    ggml_tensor * slots   = ggml_view_2d(ctx, remap, n_used, n_tokens, remap->nb[1], 0);
+    ggml_tensor * mask    = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, n_used, n_tokens, 1, &remap, 1,
+                                           empanel_wave_mask_op, 1, nullptr);
+    ggml_format_name(remap, "ffn_moe_slots-%d.%d", wave->layer->il, wave->wave);
+    // plain host pools: a view per wave, so that op offload copies this wave's slots (the
+    // scheduler copies a weight to the device once per graph)
+    ggml_tensor * src0 = w;
+    if (ggml_backend_buffer_is_host(w->buffer)) {
+        src0 = ggml_view_tensor(ctx, w);
+        src0->buffer = w->buffer; // a weight, for the scheduler's choice of backend too
+    }
+    ggml_tensor * part = ggml_mul(ctx, ggml_mul_mat_id(ctx, src0, cur, slots), mask);
+    return sum == nullptr ? part : ggml_add(ctx, sum, part);
+}
+
+ggml_tensor * llama_empanel_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
+    llama_empanel_layer * layer = empanel_is_slot_ids(ids) ? nullptr : empanel_layer_of(w);
+    if (layer == nullptr || layer->observe) {
+        return ggml_mul_mat_id(ctx, w, cur, ids);
+    }
+    const int32_t n_waves = empanel_n_waves(layer, ids->ne[1], ids->ne[0]);
+    GGML_ASSERT(n_waves > 1); // one wave: ids are the layer's slot ids (llama_empanel_build_remap)
+
+    const bool masked = layer->masked.count(w) > 0;
+    GGML_ASSERT(ids->ne[0] <= layer->n_slots); // masked fillers take slots 0 .. n_used-1 (the plan has >= top-k)
+
+    ggml_tensor * out = nullptr; // [ne1 of w, n_used, n_tokens]
+    for (int32_t iw = 0; iw < n_waves; iw++) {
+        llama_empanel_wave * wave;
+        {
+            std::lock_guard<std::mutex> lock(g_mutex);
+            auto & op = layer->wave_ops[std::make_tuple(w, iw, n_waves)];
+            if (!op) {
+                op = std::make_unique<llama_empanel_wave>(llama_empanel_wave { layer, w, iw, n_waves });
+            }
+            wave = op.get();
+        }
+        if (masked) {
+            out = empanel_masked_wave(ctx, w, cur, ids, wave, out);
+            continue;
+        }
+        ggml_tensor * slots = out == nullptr
+            ? ggml_map_custom1(ctx, ids, empanel_wave_first_op, 1, wave)
+            : ggml_map_custom2(ctx, ids, out, empanel_wave_next_op, 1, wave);
+        ggml_format_name(slots, "ffn_moe_slots-%d.%d", layer->il, iw);
+
+        if (out == nullptr) {
+            out = ggml_mul_mat_id(ctx, w, cur, slots);
+            continue;
+        }
+        // the same MUL_MAT_ID, written into the previous wave's output (src[3]): the CPU kernel
+        // leaves the rows of skipped pairs (slot id -1) as they are
+        ggml_tensor * acc = ggml_view_tensor(ctx, out);
+        acc->op     = GGML_OP_MUL_MAT_ID;
+        acc->src[0] = w;
+        acc->src[1] = cur;
+        acc->src[2] = slots;
+        acc->src[3] = out;
+        out = acc;
+    }
+    return out;
+}
+
+void llama_empanel_each_mul_mat_id(ggml_tensor * res, const std::function<void(ggml_tensor *)> & fn) {
+    while (res != nullptr) {
+        if (res->op == GGML_OP_MUL_MAT_ID) {
+            fn(res);
+            res = res->src[3] != nullptr && res->src[3]->op == GGML_OP_MUL_MAT_ID ? res->src[3] : nullptr; // waves
+            continue;
+        }
+        // masked waves: sum = ADD(sum, part) ... part = MUL(MUL_MAT_ID, mask)
+        ggml_tensor * part = res->op == GGML_OP_ADD ? res->src[1] : res;
+        const bool ours = part->op == GGML_OP_MUL && part->src[1]->op == GGML_OP_CUSTOM &&
+                          empanel_custom_fn(part->src[1]) == (void *) empanel_wave_mask_op;
+        if (!ours) {
+            fn(res); // not built here: as stock
+            return;
+        }
+        fn(part->src[0]);
+        res = res->op == GGML_OP_ADD ? res->src[0] : nullptr;
+    }
+}
+
+uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_models.find(model);
+    if (it == g_models.end()) {
+        return 0;
+    }
+    uint32_t n = 0;
+    for (const auto & layer : it->second.layers) {
+        // per wave and pool a remap and a MUL_MAT_ID (masked: also views, the mask, the mul and
+        // the add); at most n_expert used per token (a warmup routes to all of them), and room for
+        // the cb() names' views
+        n += 8u * (uint32_t) (empanel_n_waves(layer.get(), n_tokens, layer->n_expert) * layer->n_pools) + 2u;
+        n += 8u * (uint32_t) layer->guesses.size(); // a guess: matmul, biases, gating, top-k, the op
+        n += layer->subst != nullptr ? 4u : 0u;     // substitution: top-k candidates and the op
+    }
+    return n;
+}
