@@ -1,6 +1,7 @@
 #pragma once
 
-// internal structures of the sidecar, shared by pool.c (tables, memory), remap.c (policy, waves), files.c (the model files) and reader.c (reads)
+// internal structures of the sidecar, shared by pool.c (tables, memory), remap.c (policy, waves), files.c (the model
+// files), reader.c (reads) and util.c (errors, clock, digest)
 
 #include "empanel.h"
 
@@ -212,10 +213,15 @@ struct empanel_pool {
     atomic_llong n_requests;
 };
 
-// pool.c
-void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...);
+// util.c: errors, clock, digest (empanel_hash64 in empanel.h)
+// the pool's first failure (later ones are dropped: the first is the cause); fails every later remap
+void     empanel_set_error(struct empanel_pool * pool, const char * fmt, ...);
 // the message into err [err_size] (nothing if err is NULL)
-void empanel_format_err(char * err, size_t err_size, const char * fmt, ...);
+void     empanel_format_err(char * err, size_t err_size, const char * fmt, ...);
+// CLOCK_MONOTONIC in nanoseconds
+uint64_t empanel_now_ns(void);
+
+// pool.c
 // slot `slot` of the layer holds nothing: host pools give its pages back
 void empanel_slot_release(struct empanel_layer * layer, int32_t slot);
 // g-lru: take expert entry e out of the recency list / put it at the recent end
@@ -271,7 +277,7 @@ int     empanel_compare_uint64(const void * a, const void * b);
 // layer->distinct) for `call`: recall and read-ahead accounted
 void    empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call);
 
-// plan.c: the plan a program's sidecar reads (EMPANEL_PLAN; records described in plan.c)
+// plan_file.c: a plan written down (empanel_gguf/plan_file.py; records described in plan_file.c)
 struct empanel_plan_order {
     int32_t    layer;
     int32_t    n;
@@ -305,13 +311,16 @@ struct empanel_plan {
     struct empanel_plan_digests * digests;      // [n_digests]
     int32_t                       n_digests;
     struct empanel_pool_params    params;
-    int       seen;                             // records read (plan.c's enum plan_record)
+    int       seen;                             // records read (plan_file.c's enum plan_record)
 };
 
-// the plan at plan_path for a load of model_path: 1 read into plan; 0 it is another model's (plan
-// empty, err ""); -1 it cannot be used (err says why). Free a read plan with empanel_plan_free.
-int  empanel_plan_read(const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
-                       size_t err_size);
+// the plan at plan_path (a file) or in text (a NUL-terminated string) for a load of model_path: 1
+// read into plan; 0 it is another model's (plan empty, err ""); -1 it cannot be used (err says
+// why). Free a read plan with empanel_plan_free.
+int  empanel_plan_read     (const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
+                            size_t err_size);
+int  empanel_plan_read_text(const char * text, const char * model_path, struct empanel_plan * plan, char * err,
+                            size_t err_size);
 void empanel_plan_free(struct empanel_plan * plan);
 
 // files.c
@@ -336,5 +345,4 @@ int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_laye
 // wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
 int      empanel_read_finish (struct empanel_pool * pool);
-uint64_t empanel_now_ns(void);
 void     empanel_staging_free(struct empanel_pool * pool);

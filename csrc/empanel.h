@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 9
+#define EMPANEL_SIDECAR_VERSION 10
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -48,51 +48,69 @@ struct empanel_pool_params {
                            // (empanel_pool_set_digests, else the digest of its first read)
 };
 
-// eviction policies (struct empanel_pool_params.policy); Python reads these names through cffi
+// The eviction policies (struct empanel_pool_params.policy), declared once: the enum below,
+// empanel_policy_name and the names Python accepts (empanel_gguf/header.py) come from this list.
+//   X(id, name as users give it)
+//   LRU        per layer: evict the least recently used expert
+//   LFU_DECAY  per layer: evict the least frequently used, counts halving every n_slots
+//              micro-batches of the layer
+//   GLRU       one budget for all layers: evict the least recently used expert of any layer; a
+//              layer's pool is its most, never-used slots take no memory (host pools)
+#define EMPANEL_POLICIES(X) \
+    X(LRU,       "lru")       \
+    X(LFU_DECAY, "lfu-decay") \
+    X(GLRU,      "g-lru")
+
+#define EMPANEL_POLICY_ENUM(id, name) EMPANEL_POLICY_##id,
 enum empanel_policy {
-    EMPANEL_POLICY_LRU       = 0, // per layer: evict the least recently used expert
-    EMPANEL_POLICY_LFU_DECAY = 1, // per layer: evict the least frequently used, counts halving
-                                  // every n_slots micro-batches of the layer
-    EMPANEL_POLICY_GLRU      = 2  // one budget for all layers: evict the least recently used expert
-                                  // of any layer; a layer's pool is its most, never-used slots take
-                                  // no memory (host pools)
+    EMPANEL_POLICIES(EMPANEL_POLICY_ENUM)
 };
 
 // the policy's name as users give it (moe_policy="lfu-decay"), NULL past the last policy
 EMPANEL_API const char * empanel_policy_name(int32_t policy);
 
-// counters of one layer; times in nanoseconds
+// Every counter of a paged layer, declared once: the struct below, the stats JSON of llama.cpp's
+// programs and the Prometheus text (load.c), and the Python names (empanel_gguf/header.py reads
+// this list from this header) are all made from it.
+//   X(field, kind, metric, help)
+//   field   member of struct empanel_layer_stats, uint64_t; *_ns in nanoseconds (Python and the
+//           metrics report *_s, seconds)
+//   kind    counter (only grows until a reset) or gauge (a level now)
+//   metric  its Prometheus series, empanel_<metric>; "" for none
+//   help    one line: what it counts
+#define EMPANEL_LAYER_COUNTERS(X) \
+    X(n_remaps,        counter, "remaps_total",          "Remap calls (one per micro-batch and layer).") \
+    X(n_ids,           counter, "",                      "(token, expert) pairs routed.") \
+    X(hits,            counter, "expert_hits_total",     "Distinct experts of a micro-batch found in a slot.") \
+    X(misses,          counter, "expert_misses_total",   "Distinct experts of a micro-batch read from the model file.") \
+    X(bytes_read,      counter, "read_bytes_total",      "Bytes of experts read from the model file.") \
+    X(io_bytes,        counter, "",                      "Bytes asked of the drive (bytes_read plus O_DIRECT alignment).") \
+    X(n_reads,         counter, "",                      "Read requests.") \
+    X(read_ns,         counter, "read_seconds_total",    "Time spent reading experts.") \
+    X(write_ns,        counter, "",                      "Time copying experts into device slots after the reads.") \
+    X(copy_bytes,      counter, "",                      "Bytes copied host to device into slots.") \
+    X(remap_ns,        counter, "remap_seconds_total",   "Time spent in the remap step.") \
+    X(wait_ns,         counter, "",                      "Time the graph waited for reads (the rest of read time was hidden).") \
+    X(n_waves,         counter, "",                      "Waves over all micro-batches (per micro-batch: n_waves / n_remaps).") \
+    X(preloaded,       counter, "",                      "Experts read into empty slots at load (in bytes_read, not in misses).") \
+    X(guessed,         counter, "",                      "Distinct experts the gate-ahead guesses named for this layer.") \
+    X(guess_routed,    counter, "",                      "Distinct experts routed in micro-batches that had a guess.") \
+    X(guess_hits,      counter, "",                      "Of those, the ones the guess named.") \
+    X(prefetched,      counter, "",                      "Experts read ahead from a guess (in bytes_read, not in misses).") \
+    X(prefetch_used,   counter, "",                      "Of those, the ones their micro-batch routed to.") \
+    X(prefetch_wasted, counter, "",                      "Bytes read ahead for experts their micro-batch did not route to.") \
+    X(substituted,     counter, "",                      "(token, expert) pairs whose missing expert got a resident stand-in.") \
+    X(verified,        counter, "",                      "Expert tensors read whose bytes were checked against a digest.") \
+    X(verify_ns,       counter, "",                      "Time the reader threads spent hashing (summed over threads).") \
+    X(remote_by_hash,  counter, "",                      "Expert tensors an RPC host wrote from its cache, asked by hash.") \
+    X(n_slots,         gauge,   "slots",                 "Expert slots of the layer's pool.") \
+    X(n_resident,      gauge,   "slots_resident",        "Slots holding an expert.")
+
+#define EMPANEL_COUNTER_FIELD(field, kind, metric, help) uint64_t field;
+
+// the counters of one layer (EMPANEL_LAYER_COUNTERS)
 struct empanel_layer_stats {
-    uint64_t n_remaps;     // remap calls (one per micro-batch)
-    uint64_t n_ids;        // (token, expert) pairs routed
-    uint64_t hits;         // distinct experts of a micro-batch already resident
-    uint64_t misses;       // distinct experts of a micro-batch read from the file
-    uint64_t bytes_read;   // bytes of experts read from the file
-    uint64_t io_bytes;     // bytes asked of the drive (bytes_read plus O_DIRECT alignment)
-    uint64_t n_reads;      // read requests
-    uint64_t read_ns;      // wall time of the read phases (all reader threads at work), including
-                           // the conversion of experts into CPU_REPACK slots, done as they arrive
-    uint64_t write_ns;     // wall time copying experts into device slots after the reads
-    uint64_t copy_bytes;   // bytes copied host -> device into slots
-    uint64_t remap_ns;     // time the graph waited in remap (lookups + reads + writes)
-    uint64_t wait_ns;      // time the graph waited for reads (read_ns minus wait_ns: reads hidden
-                           // behind compute, read while the previous wave computed)
-    uint64_t n_waves;      // waves over all micro-batches (n_waves / n_remaps: waves per micro-batch)
-    uint64_t preloaded;    // experts read by empanel_pool_preload (in bytes_read, not in misses)
-    uint64_t guessed;      // distinct experts the gate-ahead guesses named for micro-batches of this layer
-    uint64_t guess_routed; // distinct experts routed in the micro-batches that had a guess
-    uint64_t guess_hits;   // of those, the ones the guess named (recall: guess_hits / guess_routed)
-    uint64_t prefetched;   // experts read ahead from a guess (in bytes_read, not in misses)
-    uint64_t prefetch_used;   // of those, the ones their micro-batch routed to
-    uint64_t prefetch_wasted; // bytes read ahead for experts their micro-batch did not route to
-    uint64_t substituted;  // (token, expert) pairs whose expert was not resident and got a stand-in
-    uint64_t verified;     // expert tensors read whose bytes were checked against a digest
-    uint64_t verify_ns;    // time the reader threads spent hashing them (summed over threads)
-    uint64_t remote_by_hash; // expert tensors an RPC host wrote into its pool from its cache,
-                             // asked by hash: nothing read here, a request of about 330 bytes
-                             // sent instead of the expert (copy_bytes counts the experts sent)
-    int32_t  n_slots;
-    int32_t  n_resident;   // slots holding an expert
+    EMPANEL_LAYER_COUNTERS(EMPANEL_COUNTER_FIELD)
 };
 
 struct empanel_pool;
@@ -242,34 +260,50 @@ EMPANEL_API int32_t empanel_pool_set_digests(struct empanel_pool * pool, const c
 // and ctime instead. Either way a file changed while loaded fails every later remap.
 EMPANEL_API int32_t empanel_pool_watching(struct empanel_pool * pool);
 
-// llama.cpp's programs (llama-server, llama-cli, llama-bench, llama-perplexity): `empanel-gguf
-// llama-server ...` writes the plan to a file (empanel_gguf/program_plan.py; its records are
-// described in csrc/plan.c) and runs the program with EMPANEL_PLAN=<that file>; libllama's
-// program hook loads this library (the one next to it, or EMPANEL_SIDECAR) and calls these
-// around each model load.
-struct empanel_program;
+// A load on slot pools from its plan (load.c): the same steps for a load in the Python process
+// (empanel_gguf/pools.py) and for llama.cpp's own programs. The plan is what empanel-gguf decided
+// before the load, written down (empanel_gguf/plan_file.py; the records are described in
+// csrc/plan_file.c).
+struct empanel_load;
 struct llama_model;
 
-// before a load of model_path: if the plan at plan_path is for this model (the same real path),
-// make its pools and set the plan for the load on this thread (llama_empanel_set_plan and kin).
-// NULL with err "": the plan is for another model (e.g. a draft model), which loads as usual;
-// NULL with err set: the plan cannot be used (changed file, bad plan, pool init failure).
-EMPANEL_API struct empanel_program * empanel_program_open(const char * plan_path, const char * model_path,
-                                                          char * err, size_t err_size);
+// read the plan (plan_text, a NUL-terminated string; else the file at plan_path) for a load of
+// model_path, make its pools and hand over its digests. NULL with err "": the plan is for another
+// model (e.g. a draft model), which loads as usual; NULL with err set: the plan cannot be used
+// (changed file, bad plan, pool init failure).
+EMPANEL_API struct empanel_load * empanel_load_open(const char * plan_text, const char * plan_path,
+                                                    const char * model_path, char * err, size_t err_size);
+// set the plan for the model load that follows on this thread (llama_empanel_set_plan and kin;
+// libllama clears it after that load, llama_empanel_clear_plan if it never starts)
+EMPANEL_API void    empanel_load_begin(struct empanel_load * load);
+// after the load: bind the pools to the model's pool tensors and hand over the warm start's
+// preload order. Returns 0, or -1 with the reason in err.
+EMPANEL_API int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model * model, char * err,
+                                      size_t err_size);
+// fill the empty slots if the plan says so: the experts read (0 if it does not), or -1 with the
+// reason in err (the pool's error is cleared; slots not read stay empty)
+EMPANEL_API int64_t empanel_load_preload(struct empanel_load * load, char * err, size_t err_size);
+// the load's pools (stats, errors, trace) and how many of them run masked waves
+EMPANEL_API struct empanel_pool * empanel_load_pool(struct empanel_load * load);
+EMPANEL_API int32_t empanel_load_masked(struct empanel_load * load);
+// the model is freed: append the counters to the plan's stats file (one JSON object per load,
+// if the plan names one), free the pools
+EMPANEL_API void    empanel_load_close(struct empanel_load * load);
 
-// after the load: bind the pools to the model's pool tensors, hand over the profile's preload
-// order, preload if the plan says so. Returns 0, or -1 with the reason in err.
-EMPANEL_API int32_t empanel_program_loaded(struct empanel_program * prog, const struct llama_model * model,
+// llama.cpp's programs (llama-server, llama-cli, llama-bench, llama-perplexity): `empanel-gguf
+// llama-server ...` writes the plan to a file and runs the program with EMPANEL_PLAN=<that file>;
+// libllama's program hook loads this library (the one next to it, or EMPANEL_SIDECAR) and calls
+// these around each model load: the steps above, with the notices on stderr.
+// open: empanel_load_open of the file, then empanel_load_begin
+EMPANEL_API struct empanel_load * empanel_program_open(const char * plan_path, const char * model_path,
+                                                       char * err, size_t err_size);
+// loaded: empanel_load_bind, then empanel_load_preload (reported on stderr). 0, or -1 (err)
+EMPANEL_API int32_t empanel_program_loaded(struct empanel_load * load, const struct llama_model * model,
                                            char * err, size_t err_size);
+EMPANEL_API struct empanel_pool * empanel_program_pool(struct empanel_load * load);
+EMPANEL_API void    empanel_program_close(struct empanel_load * load);
 
-// the program's pools (empanel_pool_failed, empanel_pool_error, empanel_pool_clear_error)
-EMPANEL_API struct empanel_pool * empanel_program_pool(struct empanel_program * prog);
-
-// the model is freed: append its counters to the plan's stats file (one JSON object per load),
-// free the pools
-EMPANEL_API void empanel_program_close(struct empanel_program * prog);
-
-// Prometheus text (format 0.0.4) of every open program's pools into buf [size] (NUL-terminated,
+// Prometheus text (format 0.0.4) of every open load's pools into buf [size] (NUL-terminated,
 // truncated if it does not fit); returns the length of the whole text
 EMPANEL_API size_t empanel_program_metrics(char * buf, size_t size);
 

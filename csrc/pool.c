@@ -10,7 +10,6 @@
 
 #include "llama-empanel.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,23 +21,11 @@ int32_t empanel_sidecar_version(void) {
 }
 
 const char * empanel_policy_name(int32_t policy) {
-    switch (policy) {
-        case EMPANEL_POLICY_LRU:       return "lru";
-        case EMPANEL_POLICY_LFU_DECAY: return "lfu-decay";
-        case EMPANEL_POLICY_GLRU:      return "g-lru";
-        default:                       return NULL;
-    }
-}
-
-void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...) {
-    if (atomic_load(&pool->failed)) {
-        return; // keep the first failure: it is the cause
-    }
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(pool->error, sizeof(pool->error), fmt, args);
-    va_end(args);
-    atomic_store(&pool->failed, 1);
+#define POLICY_NAME(id, name) name,
+    static const char * const names[] = { EMPANEL_POLICIES(POLICY_NAME) };
+#undef POLICY_NAME
+    const int32_t n = (int32_t) (sizeof(names) / sizeof(names[0]));
+    return policy >= 0 && policy < n ? names[policy] : NULL;
 }
 
 _Bool empanel_pool_failed(void * user) {
@@ -52,16 +39,6 @@ const char * empanel_pool_notice(struct empanel_pool * pool) {
 
 const char * empanel_pool_error(struct empanel_pool * pool) {
     return atomic_load(&pool->failed) ? pool->error : "";
-}
-
-void empanel_format_err(char * err, size_t err_size, const char * fmt, ...) {
-    if (err == NULL || err_size == 0) {
-        return;
-    }
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, err_size, fmt, args);
-    va_end(args);
 }
 
 // ------------------------------------------------------------------------------------------------

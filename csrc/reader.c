@@ -18,18 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
-
-// xxHash from llama.cpp's vendor/hash (the pinned source tree), header only
-#define XXH_INLINE_ALL
-#include "xxhash.h"
-
-uint64_t empanel_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
 
 static uint64_t align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 static uint64_t align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
@@ -63,11 +52,6 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
         return -1;
     }
     return 0;
-}
-
-uint64_t empanel_hash64(const void * data, uint64_t n) {
-    const uint64_t h = (uint64_t) XXH3_64bits(data, (size_t) n);
-    return h + (h == 0); // 0 means "not known"
 }
 
 // moe_verify: the expert's bytes, all landed in job->dst (the slot, or staging before the

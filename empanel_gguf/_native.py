@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from . import _pins
+from .header import HEADER_TEXT, SIDECAR_VERSION, header_path, parse_counters, parse_policies
 
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
-HEADER = Path(__file__).resolve().parent.parent / "csrc" / "empanel.h"
 
 _sidecar = None  # Native, once opened
 
@@ -131,8 +131,14 @@ def use_our_libraries():
 
 def _cdef_from_header(text):
     """The declarations of empanel.h in a form cffi's cdef accepts: no comments, no preprocessor
-    lines, no export macros, no extern "C" braces."""
+    lines (continued ones included), no export macros, no extern "C" braces, and the counters'
+    struct and the policies' enum written out from their lists (header.py)."""
+    fields = "\n".join(f"    uint64_t {c.field};" for c in parse_counters(text))
+    policies = ", ".join(f"EMPANEL_POLICY_{policy_id}" for policy_id, _ in parse_policies(text))
     text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"\\\n", " ", text)  # a #define continued over lines is one line
+    text = text.replace("EMPANEL_LAYER_COUNTERS(EMPANEL_COUNTER_FIELD)", fields)
+    text = text.replace("EMPANEL_POLICIES(EMPANEL_POLICY_ENUM)", policies)
     lines = []
     for line in text.splitlines():
         stripped = line.strip()
@@ -165,11 +171,17 @@ class Native:
         import cffi
 
         self.ffi = cffi.FFI()
-        self.ffi.cdef(_cdef_from_header(_header_text()))
+        self.ffi.cdef(_cdef_from_header(HEADER_TEXT))
         self.ffi.cdef(_LLAMA_CDEF)
         # libllama first: libempanel links it, and it must be the very library llama_cpp loaded
         self.llama = self.ffi.dlopen(str(lib_dir() / _shared_lib_name("llama")))
         self.sidecar = self.ffi.dlopen(str(lib_dir() / _shared_lib_name("empanel")))
+        version = self.sidecar.empanel_sidecar_version()
+        if version != SIDECAR_VERSION:
+            raise NativeLibraryError(
+                f"{lib_dir() / _shared_lib_name('empanel')} is sidecar version {version}, but its empanel.h "
+                f"({header_path()}) declares version {SIDECAR_VERSION}: the library and the package come from "
+                "different builds.\nHINT: reinstall empanel-gguf (pip install --force-reinstall .).")
 
     def ptr(self, ctypes_pointer):
         """A llama-cpp-python ctypes pointer (c_void_p) as a cffi void *."""
@@ -185,26 +197,8 @@ def native():
     return _sidecar
 
 
-def policy_names():
-    """The sidecar's eviction policies by name, as csrc/empanel.h numbers them (enum empanel_policy)."""
-    ffi, sidecar = native().ffi, native().sidecar
-    names = {}
-    while (name := sidecar.empanel_policy_name(len(names))) != ffi.NULL:
-        names[ffi.string(name).decode()] = len(names)
-    return names
-
-
-def policy_id(name):
-    """enum empanel_policy of a policy name ("lru", "lfu-decay", "g-lru"); ValueError if unknown."""
-    names = policy_names()
-    if name not in names:
-        raise ValueError(f"moe_policy={name!r}: one of {', '.join(names)}")
-    return names[name]
-
-
-def _header_text():
-    """empanel.h as installed with the package (a copy sits next to the libraries)."""
-    for path in (lib_dir() / "empanel.h", HEADER):
-        if path.exists():
-            return path.read_text()
-    raise NativeLibraryError(f"empanel.h is missing from {lib_dir()}; reinstall empanel-gguf")
+def hash64(data):
+    """XXH3-64 of a bytes-like object, by the sidecar: the digest of verified reads (never 0,
+    which means unknown)."""
+    n = native()
+    return int(n.sidecar.empanel_hash64(n.ffi.from_buffer(data), len(data)))

@@ -2,8 +2,8 @@
 tensor, as its bytes lie in the GGUF file.
 
 `empanel-gguf verify MODEL.gguf` reads every expert once and saves the digests next to the
-calibration profiles (profile.cache_dir()), tied to the file's identity (size and header
-SHA-256, profile.file_identity). A load with moe_verify=True hands them to the sidecar, whose
+calibration profiles (cache.cache_dir()), tied to the file's identity (size and header
+SHA-256, cache.file_identity). A load with moe_verify=True hands them to the sidecar, whose
 reader threads hash each expert as it lands (before any repack or copy to a device) and fail the
 decode on a mismatch. Without saved digests, each expert's first read gives its digest and every
 later read of it must match.
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._native import native
-from .profile import cache_dir, file_identity
+from .cache import cached_path, file_identity
 
 FORMAT = "empanel-gguf-digests"
 VERSION = 1
@@ -33,21 +32,14 @@ class DigestError(ValueError):
     """Saved digests that cannot be used for this file."""
 
 
-def hash_bytes(data) -> int:
-    """XXH3-64 of a bytes-like object, by the sidecar (never 0: that means unknown)."""
-    n = native()
-    return int(n.sidecar.empanel_hash64(n.ffi.from_buffer(data), len(data)))
-
-
 def default_path(index, identity=None) -> Path:
-    identity = identity or file_identity(index)
-    stem = Path(identity["name"]).stem
-    return cache_dir() / f"{stem}-{identity['header_sha256'][:16]}.digests.json"
+    return cached_path(identity or file_identity(index), ".digests.json")
 
 
-def compute(index, progress=None) -> dict:
+def compute(index, hash64, progress=None) -> dict:
     """{tensor name: np.uint64 [n_expert]} over every routed-expert tensor of `index`, reading
-    each expert once; progress(done_bytes, total_bytes) after each tensor."""
+    each expert once; hash64(bytes) -> int is the sidecar's hash (_native.hash64);
+    progress(done_bytes, total_bytes) after each tensor."""
     total = sum(t.nbytes for t in index.expert_tensors())
     done = 0
     digests = {}
@@ -64,7 +56,7 @@ def compute(index, progress=None) -> dict:
                 if got != t.stride:
                     raise DigestError(f"{t.path}: {t.name} expert {e} is cut short ({got} of {t.stride} bytes): "
                                       "the file is truncated")
-                out[e] = hash_bytes(buf)
+                out[e] = hash64(buf)
             digests[t.name] = out
             done += t.nbytes
             if progress is not None:
@@ -114,8 +106,8 @@ def load(index, path=None, identity=None):
     return out
 
 
-def check(index, saved, progress=None):
+def check(index, saved, hash64, progress=None):
     """Hash the file again and compare with `saved`: [(tensor name, expert)] that differ."""
-    now = compute(index, progress)
+    now = compute(index, hash64, progress)
     return [(name, int(e)) for name, values in now.items() for e in np.nonzero(values != saved[name])[0]]
 

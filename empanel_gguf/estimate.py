@@ -180,11 +180,22 @@ def _gpu_layers(n_gpu_layers, n_layer):
     return min(n, n_layer + 1)
 
 
+# whether layers can be offloaded now: set by the drop-in (llama.py), which can ask the build and
+# the registered RPC servers; planning itself loads no library. Unset: nothing offloads.
+_offload_probe = None
+
+
+def set_offload_probe(probe):
+    """probe() -> True if n_gpu_layers can offload now (a GPU, or a registered RPC server's
+    device; a build with the RPC backend but no servers keeps every layer here)."""
+    global _offload_probe
+    _offload_probe = probe
+
+
 def _supports_gpu_offload():
-    """Whether layers can be offloaded now: a GPU, or a registered RPC server's device (a build
-    with the RPC backend but no servers keeps every layer here)."""
+    if _offload_probe is None:
+        return False
     try:
-        from .rpc import offload_devices
-        return offload_devices() > 0
+        return bool(_offload_probe())
     except Exception:  # the estimate must not fail on a missing library
         return False

@@ -34,6 +34,7 @@ _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 _OLD_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 _GGML_MAX_DIMS = 4
+MAX_LAYERS = 1 << 16  # the most layers a plan may name (csrc/plan_file.c's shape record)
 _KNOWN_TYPES = {int(t) for t in GGML_QUANT_SIZES}
 
 # struct formats (little-endian) of the fixed-size GGUF value types.
@@ -377,6 +378,9 @@ def load_index(path: os.PathLike | str) -> ModelIndex:
     if not isinstance(arch, str):
         raise ModelError(first.path, "has no general.architecture; it is not a llama.cpp model")
     n_layer = _get_int(first, Keys.LLM.BLOCK_COUNT.format(arch=arch), 0)
+    if not 0 <= n_layer <= MAX_LAYERS:
+        raise ModelError(first.path, f"{arch}.block_count is {n_layer} (at most {MAX_LAYERS} layers are "
+                         "plausible); the file is corrupt")
     n_expert = _get_int(first, Keys.LLM.EXPERT_COUNT.format(arch=arch), 0)
     n_expert_used = _get_int(first, Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), 0)
 

@@ -10,17 +10,22 @@ sidecar. Outputs are bit-identical to the model fully in memory on the same buil
 
 import sys
 import time
+from pathlib import Path
 
 from ._native import use_our_libraries
+from .estimate import set_offload_probe
 from .format import format_bytes
-from .index import ModelError, adapter_expert_tensors, load_index
-from .plan import wants_preload
-from .pools import ExpertPools, MoeReadError, summary_line
-from .rpc import add_servers as add_rpc_servers
+from .index import ModelError, load_index
+from .plan import moe_options, plan_load, print_notices
+from .pools import ExpertPools, MoeReadError
+from .rpc import offload_devices
+from .rpc import use_servers as use_rpc_servers
 from .rpc import wire_counts as rpc_wire_counts
-from .sizing import DEFAULT_POLICY, POLICIES, plan_slots
+from .sizing import DEFAULT_POLICY
+from .stats import summary_line
 
 llama_cpp = use_our_libraries()
+set_offload_probe(lambda: offload_devices() > 0)  # the estimate's question, answered by this build
 
 __all__ = ["Llama", "MoeReadError"]
 
@@ -75,6 +80,9 @@ class Llama(llama_cpp.Llama):
             offloaded layers (n_gpu_layers, all by default when rpc_servers is given) go to them
             with their slot pools; a miss writes the expert there, by hash once the host's cache
             (rpc-server -c) has seen it. Outputs equal the same placement without slots.
+        moe_load: a load already planned (plan.plan_load(index, moe_slots, kwargs, options=...)),
+            as the commands do after printing its report and letting the memory guard decide: it
+            replaces moe_slots and the other moe_* arguments, and nothing is planned again.
         **kwargs: passed to llama_cpp.Llama unchanged (n_ubatch included: a micro-batch whose
             experts exceed the pools runs in waves that fit them, in every build).
     """
@@ -82,50 +90,39 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
-                 moe_verify=False, rpc_servers=None, **kwargs):
+                 moe_verify=False, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
-        self.rpc_servers = None
-        if rpc_servers:
-            self.rpc_servers = add_rpc_servers(rpc_servers)  # before planning: it sees the devices
-            kwargs.setdefault("n_gpu_layers", -1)
-        self.moe_slots = moe_slots    # as asked ("auto" resolved below)
-        self.moe_policy = moe_policy
-        self.moe_prefetch = moe_prefetch if moe_slots is not None else 0
+        unknown = [key for key in kwargs if key.startswith("moe_")]
+        if unknown:  # llama_cpp.Llama would swallow a misspelt option and load stock
+            moe_options(**{key: kwargs[key] for key in unknown})  # raises, naming the valid ones
+        self.rpc_servers = use_rpc_servers(rpc_servers, kwargs)
         verbose = kwargs.get("verbose", True)
-        index = plan = None
-        if moe_slots is not None or moe_trace:
-            index = load_index(model_path)
-        if moe_slots == "auto":
-            moe_slots = self.moe_slots = _auto_slots(index, kwargs, verbose, moe_resident_layers)
-        if moe_slots is not None and not index.is_moe:
-            _notice(verbose, f"{model_path}: no routed experts ({index.architecture}); "
-                             "moe_slots ignored, loading as usual")
-            moe_slots = None
-        if moe_slots is not None:
-            plan = self._plan(index, moe_slots, moe_policy, moe_resident_layers, verbose)
-        if plan is not None and kwargs.get("lora_path"):
-            check_adapter(kwargs["lora_path"])
-        if plan is None and not (moe_trace and index.is_moe):
+        if moe_load is None and (moe_slots is not None or moe_trace):
+            options = moe_options(moe_policy=moe_policy, moe_io_threads=moe_io_threads, moe_chunk_kb=moe_chunk_kb,
+                                  moe_direct_io=moe_direct_io, moe_trace=moe_trace, moe_preload=moe_preload,
+                                  moe_resident_layers=moe_resident_layers, moe_profile=moe_profile,
+                                  moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
+                                  moe_verify=moe_verify)
+            moe_load = _plan(model_path, moe_slots, options, kwargs)
+            print_notices(moe_load.notes, verbose)
+        elif moe_load is not None and Path(moe_load.index.path).resolve() != Path(model_path).resolve():
+            raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")
+        self.moe_load = moe_load
+        self.moe_slots = moe_load.moe_slots if moe_load is not None else None  # "auto" resolved
+        self.moe_policy = moe_load.options.policy if moe_load is not None else moe_policy
+        self.moe_prefetch = moe_load.options.prefetch if self.moe_slots is not None else 0
+        if moe_load is None or moe_load.pools is None:
             self._load_llama(model_path, args, kwargs)
             return
 
-        experts = ExpertPools(index, plan, policy=moe_policy, io_threads=moe_io_threads,
-                              chunk_kb=moe_chunk_kb, direct_io=moe_direct_io, trace=moe_trace,
-                              guess=moe_guess, prefetch=moe_prefetch, subst=moe_subst,
-                              verify=moe_verify and plan is not None)
-        if moe_verify and plan is not None:
-            _use_digests(index, experts, verbose)
-        if experts.subst:
-            _notice(verbose, f"routing substitution on (moe_subst={moe_subst}): outputs are APPROXIMATE, "
-                             "not those of the model fully in memory")
+        experts = ExpertPools(moe_load)
         if experts.notice():
-            _notice(verbose, experts.notice())
-        experts.set_plan()
+            print_notices([experts.notice()], verbose)
         try:
+            experts.begin()
             self._load_llama(model_path, args, kwargs)
             experts.bind(self._model.model, self._ctx.ctx)
-            profile = _warm_start(index, plan, experts, moe_profile, verbose) if plan is not None else None
-            if wants_preload(plan, profile is not None, moe_preload):
+            if moe_load.preload:
                 _preload(experts, verbose)
         except BaseException:
             experts.clear_plan()
@@ -151,25 +148,6 @@ class Llama(llama_cpp.Llama):
                 raise ModelError(model_path, f"its chat template (tokenizer.chat_template) does not parse: {e}; "
                                  "the file is corrupt, or fix the template in its metadata") from None
             raise
-
-    @staticmethod
-    def _plan(index, moe_slots, moe_policy, resident_layers, verbose):
-        """Slots per layer (micro-batches of any size run in waves that fit the pools)."""
-        if moe_policy not in POLICIES:
-            raise ValueError(f"moe_policy={moe_policy!r}: one of {', '.join(POLICIES)}")
-        plan = plan_slots(index, moe_slots, moe_policy, resident_layers)
-        for text in plan.notices:
-            _notice(verbose, text)
-        n_paged = len(index.layers) - plan.resident_layers
-        if plan.budget_bytes:
-            _notice(verbose, f"g-lru: {format_bytes(plan.budget_bytes)} of experts shared by "
-                             f"{n_paged} MoE layers, up to {plan.min_slots} of {plan.n_expert} "
-                             f"per layer ({format_bytes(index.expert_bytes_total)} of experts in all)")
-        else:
-            _notice(verbose, f"{plan.min_slots} of {plan.n_expert} expert slots in each of "
-                             f"{n_paged} MoE layers, {format_bytes(plan.pool_bytes)} of pools "
-                             f"instead of {format_bytes(index.expert_bytes_total)} of experts")
-        return plan
 
     prompt_progress = None  # a progress.PromptProgress: long prompt evaluations report progress
 
@@ -244,77 +222,22 @@ class Llama(llama_cpp.Llama):
             experts.free()  # after the model: its graph calls into the pools
 
 
-def _use_digests(index, experts, verbose):
-    """moe_verify: the digests saved for this file, else those of each expert's first read."""
-    from . import digests
-
-    try:
-        saved = digests.load(index)
-    except digests.DigestError as e:
-        experts.free()
-        raise ValueError(f"moe_verify: {e}") from None
-    if saved is None:
-        _notice(verbose, "moe_verify: no saved digests for this file (empanel-gguf verify saves them); each "
-                         "expert's first read gives its digest and later reads must match it")
-        return
-    experts.set_digests(saved)
-    _notice(verbose, f"moe_verify: expert reads checked against the digests in {digests.default_path(index)}")
-
-
-def check_adapter(lora_path):
-    """A LoRA adapter may change the layers' attention, dense FFNs, shared experts and output, not
-    the routed experts: their pools hold some experts only, and the adapter's expert deltas are
-    indexed by expert id."""
-    touched = adapter_expert_tensors(lora_path)
-    if touched:
-        shown = ", ".join(touched[:3]) + (f" and {len(touched) - 3} more" if len(touched) > 3 else "")
-        raise ValueError(f"lora_path={lora_path}: the adapter changes routed-expert weights ({shown}), which "
-                         "slot pools cannot apply; load it without slot pools (moe_slots=None), or use an "
-                         "adapter that leaves the routed experts alone")
-
-
 def _preload(experts, verbose):
     t0 = time.perf_counter()
     n = experts.preload()
     total = experts.stats()["total"]
-    _notice(verbose, f"preloaded {n} experts ({format_bytes(total['bytes_read'])}) into the pools "
-                     f"in {time.perf_counter() - t0:.2f} s ({total['read_gbps']:.2f} GB/s)")
+    print_notices([f"preloaded {n} experts ({format_bytes(total['bytes_read'])}) into the pools "
+                   f"in {time.perf_counter() - t0:.2f} s ({total['read_gbps']:.2f} GB/s)"], verbose)
 
 
-def _warm_start(index, plan, experts, moe_profile, verbose):
-    """The calibration profile for this load (profile.py), its order handed to the pools; None
-    without one. "auto" ignores a cached profile it cannot use, with a notice; a path must fit."""
-    from .profile import ProfileError, resolve
-
-    try:
-        profile, where = resolve(index, moe_profile)
-    except ProfileError as e:
-        if moe_profile != "auto":
-            raise
-        _notice(verbose, f"warm start: {e}; starting cold")
-        return None
-    if profile is not None:
-        # counts up to the pool's size: under lfu-decay they halve away with the same clock
-        experts.set_preload_order(profile, seed_uses=plan.min_slots)
-        _notice(verbose, f"warm start: {where} ({profile.tokens} tokens routed): each layer's most used "
-                         "experts are preloaded")
-    return profile
-
-
-def _auto_slots(index, kwargs, verbose, resident_layers=0):
-    """moe_slots="auto": the most slots that fit in available memory minus the floor (see
-    plan.py), or None when every expert fits."""
+def _plan(model_path, moe_slots, options, kwargs):
+    """Llama's own plan (when no moe_load is given): explicit slots as asked, without the memory
+    guard; "auto" the most slots that fit (warning, never refusing, when even those do not)."""
     from .estimate import DEFAULT_N_CTX
-    from .plan import plan_load
 
-    kwargs = dict(kwargs)
-    kwargs["n_ctx"] = kwargs.get("n_ctx", 512) or DEFAULT_N_CTX
-    load = plan_load(index, "auto", kwargs, resident_layers=resident_layers, force=True)
-    for text in load.notes:
-        _notice(verbose, text)
-    return load.moe_slots
-
-
-def _notice(verbose, text):
-    if verbose:
-        print(f"empanel: {text}", file=sys.stderr)
+    index = load_index(model_path)
+    llama_kwargs = dict(kwargs)
+    llama_kwargs["n_ctx"] = kwargs.get("n_ctx", 512) or DEFAULT_N_CTX
+    lora = [kwargs["lora_path"]] if kwargs.get("lora_path") else []
+    return plan_load(index, moe_slots, llama_kwargs, options=options, lora_paths=lora, guard=moe_slots == "auto",
+                     force=True)

@@ -1,22 +1,32 @@
-"""One planning entry point for every face (Llama, run, trace, serve, exec, bench):
+"""One planning entry point for every face (Llama, run, trace, serve, exec, bench, llama.cpp's
+programs):
 
-    load = plan_load(index, "25%", llama_kwargs, policy="lfu-decay")
-    Llama(path, moe_slots=load.moe_slots, ...)
+    load = plan_load(index, "25%", llama_kwargs, options=moe_options(moe_policy="lfu-decay"))
+    print_notices(load.report())
+    Llama(path, moe_load=load, **llama_kwargs)      # or plan_file.plan_text(load) for a program
 
 plan_load decides the slots (sizing.py; "auto" against the available memory), estimates what the
-load keeps resident (estimate.py) and lets the memory guard refuse it (guard.py). Its LoadPlan
-carries what each face reports, as the same lines (LoadPlan.report()).
+load keeps resident (estimate.py), lets the memory guard refuse it (guard.py), and gathers
+everything else the load needs: the pools' setup, the warm start's preload order (profile.py),
+the saved expert digests (digests.py), whether to preload, and the notices. Its LoadPlan is what
+the sidecar gets, in this process (pools.ExpertPools) or written down for a program
+(plan_file.py): the same records either way.
+
+Pure Python: it reads the model's header and our cache files, and loads no library.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .estimate import Estimate, estimate, model_shape
 from .format import format_bytes
 from .guard import check, max_slots_that_fit
+from .header import ENGINE_POLICIES, policy_id
 from .host_memory import available_memory, default_floor
+from .index import adapter_expert_tensors
 from .sizing import DEFAULT_POLICY, SlotPlan, plan_slots
 
 # the Llama arguments the estimate reads, with llama-cpp-python's defaults
@@ -26,26 +36,117 @@ ESTIMATE_KWARGS = {"n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "n_gpu_layers"
 
 
 @dataclass
+class MoeOptions:
+    """How the pools run: Llama's moe_* arguments other than moe_slots (same names without the
+    prefix, same defaults)."""
+    policy: str = DEFAULT_POLICY
+    io_threads: int = 8
+    chunk_kb: int = 256
+    direct_io: bool = True
+    trace: bool = False
+    preload: object = None         # None: auto (pools that hold every expert, or a profile); True; False
+    resident_layers: int = 0
+    profile: object = "auto"       # "auto", a path, or None
+    guess: bool = True
+    prefetch: int = 0
+    subst: object = None           # a ratio in (0, 1], None: exact routing
+    verify: bool = False
+
+
+MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))
+
+
+def moe_options(**moe_kwargs) -> MoeOptions:
+    """MoeOptions from Llama's keyword names (moe_policy=..., moe_profile=...). A moe_profile of
+    "none"/"off"/"" means None. ValueError for an unknown moe_* name, naming the valid ones."""
+    unknown = sorted(set(moe_kwargs) - set(MOE_KEYWORDS))
+    if unknown:
+        raise ValueError(f"unknown MoE option{'s' * (len(unknown) > 1)} {', '.join(unknown)}: the options are "
+                         f"moe_slots, {', '.join(MOE_KEYWORDS)}")
+    values = {key[len("moe_"):]: value for key, value in moe_kwargs.items()}
+    if isinstance(values.get("profile"), str) and values["profile"].strip().lower() in ("none", "off", ""):
+        values["profile"] = None
+    return MoeOptions(**values)
+
+
+@dataclass
+class PoolSetup:
+    """What the sidecar's pools of one load are made of (checked arguments, no C objects)."""
+    n_slots: list           # [n_layer] slots (0: resident, -1: resident and traced)
+    paged: list             # the ExpertTensors with a pool
+    params: dict            # struct empanel_pool_params, field by field
+    guess_depth: int        # paged layers ahead that the gate-ahead guess looks (0: none)
+    subst: object           # moe_subst ratio, None: exact routing
+
+
+def pool_setup(index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True, trace=False,
+               guess=True, prefetch=0, subst=None, verify=False) -> PoolSetup:
+    """The pools of a load with `plan` (sizing.SlotPlan, None: no slots); ValueError for bad
+    moe_* arguments."""
+    n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
+    if trace:  # layers without a pool are observed: their routing is traced too
+        n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
+    if io_threads < 0 or chunk_kb < 4:
+        raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"moe_prefetch={prefetch!r}: give a number of layers ahead (0 = off)")
+    if subst is not None and (isinstance(subst, bool) or not isinstance(subst, (int, float)) or not 0 < subst <= 1):
+        raise ValueError(f"moe_subst={subst!r}: a ratio in (0, 1] (0.5: a stand-in needs half the missing "
+                         "expert's score), or None")
+    params = {
+        "n_threads": io_threads,
+        "chunk_bytes": chunk_kb * 1024,
+        "direct_io": 1 if direct_io else -1,
+        "policy": policy_id(policy),
+        "budget_bytes": plan.budget_bytes if plan is not None else 0,
+        "prefetch": prefetch,
+        "subst_ratio": float(subst or 0.0),
+        "verify": 1 if verify else 0,
+    }
+    return PoolSetup(
+        n_slots=n_slots,
+        paged=[t for t in index.expert_tensors() if n_slots[t.layer] > 0],
+        params=params,
+        # guesses: one layer ahead to order eviction, as many as prefetch reads
+        guess_depth=max(1, prefetch) if (guess or prefetch) and plan is not None else 0,
+        subst=subst if plan is not None else None)
+
+
+def preload_orders(profile, n_slots, moe_layers, seed_uses=0):
+    """{paged layer: (experts, LFU counts or None)}: the profile's most used experts first, which
+    the preload takes first; seed_uses > 0: they start with LFU counts up to that, in proportion
+    to their use."""
+    orders = {}
+    for il in moe_layers:
+        if n_slots[il] > 0:
+            order = profile.order(il)
+            row = profile.counts[profile.moe_layers.index(il)]
+            top = max(1, int(row.max()))
+            uses = [max(1, round(seed_uses * int(row[e]) / top)) for e in order] if seed_uses else None
+            orders[il] = ([int(e) for e in order], uses)
+    return orders
+
+
+@dataclass
 class LoadPlan:
     requested: object            # moe_slots as asked (None, "auto", 32, "25%", "6GiB")
-    moe_slots: object            # what to give Llama: None (every expert resident) or a count/share/size
+    moe_slots: object            # what was decided: None (every expert resident) or a count/share/size
     plan: SlotPlan | None        # slots per layer, None without slot pools
     estimate: Estimate           # what the load keeps resident
     available: int | None        # bytes of memory available now (None: unknown)
     floor: int                   # bytes kept free
     notes: list = field(default_factory=list)  # what was decided and adjusted, for the log
+    index: object = None         # the model (index.ModelIndex)
+    options: MoeOptions = field(default_factory=MoeOptions)
+    pools: PoolSetup | None = None  # the sidecar's pools; None: a stock load (no pool, no trace)
+    orders: dict | None = None   # warm start: {layer: (experts, LFU counts)} the preload takes first
+    digests: dict | None = None  # moe_verify: the saved {tensor name: [n_expert] digests}, None: first reads
+    preload: bool = False        # fill the empty slots right after the load
 
-    def report(self, index):
-        """The lines every face logs before the load: notes, the pools, the memory."""
-        lines = list(self.notes)
-        if self.plan is not None:
-            lines += self.plan.notices
-            lines.append(f"{self.plan.min_slots} of {self.plan.n_expert} expert slots per paged MoE layer, "
-                         f"{format_bytes(self.plan.pool_bytes)} of pools instead of "
-                         f"{format_bytes(index.expert_bytes_total)} of experts")
-        lines.append(f"memory: about {format_bytes(self.estimate.host)} needed, "
-                     f"{format_bytes(self.available)} available, {format_bytes(self.floor)} kept free")
-        return lines
+    def report(self):
+        """The lines every command logs before the load: the notices, then the memory."""
+        return self.notes + [f"memory: about {format_bytes(self.estimate.host)} needed, "
+                             f"{format_bytes(self.available)} available, {format_bytes(self.floor)} kept free"]
 
 
 def wants_preload(plan, have_profile, moe_preload):
@@ -73,17 +174,30 @@ def parse_moe_slots(value):
     return text
 
 
-def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, resident_layers=0, floor=None,
-              force=False, available=None, what=None) -> LoadPlan:
-    """Decide the slots and check memory before a load.
+def print_notices(lines, verbose=True):
+    """Every face prints a load's notices the same way: `empanel: ...` on stderr."""
+    if verbose:
+        for line in lines:
+            print(f"empanel: {line}", file=sys.stderr, flush=True)
+
+
+def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(), floor=None, force=False,
+              guard=True, available=None, what=None) -> LoadPlan:
+    """Decide the slots, check memory and gather what the load needs.
 
     moe_slots: None (every expert resident), 'auto', or anything plan_slots takes. 'auto' keeps
     every expert resident when that fits, else the most slots that fit (at least top-k).
-    resident_layers: the first MoE layers keep every expert (sizing.plan_slots).
+    options: MoeOptions (moe_options(...)); resident_layers among them keep every expert.
     llama_kwargs: the Llama arguments (n_ctx, n_batch, n_ubatch, n_gpu_layers, logits_all,
-    flash_attn, type_k, type_v; others are ignored). Raises guard.MemoryRefused, or
-    sizing.SlotsError for impossible moe_slots."""
+    flash_attn, type_k, type_v; others are ignored). lora_paths: adapters to load with it
+    (refused if they change routed experts). guard=False: estimate, but never refuse nor warn
+    (Llama with an explicit moe_slots); force: warn instead of refusing. Raises guard.MemoryRefused, sizing.SlotsError for
+    impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
+    options = options or MoeOptions()
+    if options.policy not in ENGINE_POLICIES:
+        raise ValueError(f"moe_policy={options.policy!r}: one of {', '.join(ENGINE_POLICIES)}")
     requested = moe_slots
+    resident_layers = options.resident_layers
     given = llama_kwargs or {}
     kwargs = {key: given.get(key, default) for key, default in ESTIMATE_KWARGS.items()}
     kwargs["shape"] = model_shape(index)
@@ -91,7 +205,8 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, res
     if available is None:
         available = available_memory()
     floor = default_floor() if floor is None else floor
-    what = what or f"loading {Path(index.path).name}"
+    name = Path(index.path).name
+    what = what or f"loading {name}"
 
     if moe_slots == "auto":
         if not index.is_moe:
@@ -109,12 +224,94 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, policy=DEFAULT_POLICY, res
                 notes.append(f"moe-slots auto: {moe_slots} of {index.n_expert} expert slots per "
                              f"layer fit in {format_bytes(available - floor)} (available minus floor)")
     if moe_slots is not None and not index.is_moe:
-        notes.append(f"{Path(index.path).name} has no routed experts; --moe-slots ignored")
+        notes.append(f"{name}: no routed experts ({index.architecture}); moe_slots ignored, loading as usual")
         moe_slots = None
 
-    plan = plan_slots(index, moe_slots, policy, resident_layers) if moe_slots is not None else None
+    plan = plan_slots(index, moe_slots, options.policy, resident_layers) if moe_slots is not None else None
     est = estimate(index, plan, **kwargs)
+    if plan is not None:
+        notes += plan.notices
+        notes.append(_slots_line(index, plan))
     notes += est.notes
-    check(est, index, plan, available=available, floor=floor, force=force, what=what)
-    return LoadPlan(requested=requested, moe_slots=moe_slots, plan=plan, estimate=est,
-                    available=available, floor=floor, notes=notes)
+    if guard:
+        check(est, index, plan, available=available, floor=floor, force=force, what=what)
+    load = LoadPlan(requested=requested, moe_slots=moe_slots, plan=plan, estimate=est, available=available,
+                    floor=floor, notes=notes, index=index, options=options)
+    if plan is None and not (options.trace and index.is_moe):
+        return load  # stock: nothing for the sidecar
+
+    load.pools = pool_setup(index, plan, options.policy, options.io_threads, options.chunk_kb, options.direct_io,
+                            options.trace, options.guess, options.prefetch, options.subst,
+                            options.verify and plan is not None)
+    if plan is None:
+        return load  # the routing is traced, every expert resident
+    for path in lora_paths:
+        check_adapter(path)
+    if options.verify:
+        load.digests = _saved_digests(index, notes)
+    if load.pools.subst:
+        notes.append(f"routing substitution on (moe_subst={options.subst}): outputs are APPROXIMATE, not those of "
+                     "the model fully in memory")
+    profile = _warm_start(index, options.profile, notes)
+    if profile is not None:
+        # counts up to the pool's size: under lfu-decay they halve away with the same clock
+        load.orders = preload_orders(profile, load.pools.n_slots, index.moe_layers, seed_uses=plan.min_slots)
+    load.preload = wants_preload(plan, profile is not None, options.preload)
+    return load
+
+
+def _slots_line(index, plan):
+    n_paged = len(index.layers) - plan.resident_layers
+    if plan.budget_bytes:
+        return (f"g-lru: {format_bytes(plan.budget_bytes)} of experts shared by {n_paged} MoE layers, up to "
+                f"{plan.min_slots} of {plan.n_expert} per layer ({format_bytes(index.expert_bytes_total)} of "
+                "experts in all)")
+    return (f"{plan.min_slots} of {plan.n_expert} expert slots in each of {n_paged} MoE layers, "
+            f"{format_bytes(plan.pool_bytes)} of pools instead of {format_bytes(index.expert_bytes_total)} of experts")
+
+
+def check_adapter(lora_path):
+    """A LoRA adapter may change the layers' attention, dense FFNs, shared experts and output, not
+    the routed experts: their pools hold some experts only, and the adapter's expert deltas are
+    indexed by expert id."""
+    touched = adapter_expert_tensors(lora_path)
+    if touched:
+        shown = ", ".join(touched[:3]) + (f" and {len(touched) - 3} more" if len(touched) > 3 else "")
+        raise ValueError(f"lora_path={lora_path}: the adapter changes routed-expert weights ({shown}), which "
+                         "slot pools cannot apply; load it without slot pools (moe_slots=None), or use an "
+                         "adapter that leaves the routed experts alone")
+
+
+def _saved_digests(index, notes):
+    """moe_verify: the digests saved for this file, else None (each expert's first read gives its
+    digest); ValueError for digests that cannot be used."""
+    from . import digests
+
+    try:
+        saved = digests.load(index)
+    except digests.DigestError as e:
+        raise ValueError(f"moe_verify: {e}") from None
+    if saved is None:
+        notes.append("moe_verify: no saved digests for this file (empanel-gguf verify saves them); each "
+                     "expert's first read gives its digest and later reads must match it")
+    else:
+        notes.append(f"moe_verify: expert reads checked against the digests in {digests.default_path(index)}")
+    return saved
+
+
+def _warm_start(index, moe_profile, notes):
+    """The calibration profile for this load (profile.py), None without one. "auto" ignores a
+    cached profile it cannot use, with a notice; a path must fit (ValueError)."""
+    from .profile import ProfileError, resolve
+
+    try:
+        profile, where = resolve(index, moe_profile)
+    except ProfileError as e:
+        if moe_profile != "auto":
+            raise
+        notes.append(f"warm start: {e}; starting cold")
+        return None
+    if profile is not None:
+        notes.append(f"warm start: {where} ({profile.tokens} tokens routed): each layer's most used experts "
+                     "are preloaded")
+    return profile

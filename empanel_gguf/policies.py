@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from .sizing import POLICIES as ENGINE_POLICY_NAMES
 from .sizing import pool_slots
 
 
@@ -415,8 +414,7 @@ class Belady(_PerLayer):
         return hits, len(misses)
 
 
-POLICIES = ("lru", "g-lru", "lfu", "lfu-decay", "slru", "arc", "belady")
-ENGINE_POLICIES = ENGINE_POLICY_NAMES  # what Llama(moe_policy=...) runs
+LAB_POLICIES = ("lru", "g-lru", "lfu", "lfu-decay", "slru", "arc", "belady")  # what the lab replays
 
 
 def make_policy(name, slots, *, expert_bytes=None, n_expert=None, n_expert_used=None):
@@ -429,5 +427,5 @@ def make_policy(name, slots, *, expert_bytes=None, n_expert=None, n_expert_used=
     classes = {"lru": LRU, "lfu": LFU, "lfu-decay": LFUDecay, "slru": SLRU, "arc": ARC,
                "belady": Belady}
     if name not in classes:
-        raise ValueError(f"unknown policy {name!r}: one of {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policy {name!r}: one of {', '.join(LAB_POLICIES)}")
     return classes[name](slots)

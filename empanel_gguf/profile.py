@@ -1,5 +1,5 @@
 """Calibration profiles: how often each expert of each MoE layer was used on some text, for a warm
-start (empanel-gguf calibrate; Llama(moe_profile=...)).
+start (empanel-gguf calibrate, commands/calibrate.py; Llama(moe_profile=...)).
 
 A profile is a small JSON file tied to one model file by its identity:
 
@@ -9,9 +9,9 @@ A profile is a small JSON file tied to one model file by its identity:
      "tokens": n,                                                    # tokens routed
      "counts": [[uses of expert 0..E-1] per MoE layer, in moe_layers order]}
 
-The identity is the file's size and a SHA-256 of its header (metadata and tensor table, the
-bytes before the tensor data): a re-quantized or re-exported model has another one; the same
-file copied elsewhere keeps it. `moe_profile="auto"` looks for a saved profile of the model's
+The identity is the file's size and a SHA-256 of its header (cache.file_identity): a
+re-quantized or re-exported model has another one; the same file copied elsewhere keeps it.
+`moe_profile="auto"` looks for a saved profile of the model's
 identity in the cache (EMPANEL_PROFILE_DIR, else ~/.cache/empanel-gguf/profiles or under
 $XDG_CACHE_HOME). With a profile, the
 empty slots are filled at load with each layer's most used experts instead of the lowest ids.
@@ -20,13 +20,14 @@ The profile orders what is read first; outputs are unchanged either way.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .cache import cached_path, file_identity
 
 FORMAT = "empanel-gguf-profile"
 VERSION = 1
@@ -104,34 +105,9 @@ class Profile:
                 "counts": self.counts.tolist()}
 
 
-def file_identity(index):
-    """{name, size, header_sha256} of the model's first shard (see the module docstring)."""
-    shard = index.shards[0]
-    digest = hashlib.sha256()
-    with open(shard.path, "rb") as f:
-        left = shard.data_offset
-        while left > 0:
-            block = f.read(min(left, 1 << 20))
-            if not block:
-                break
-            digest.update(block)
-            left -= len(block)
-    return {"name": Path(shard.path).name, "size": int(shard.file_size), "header_sha256": digest.hexdigest()}
-
-
-def cache_dir():
-    """EMPANEL_PROFILE_DIR, else ~/.cache/empanel-gguf/profiles (or under $XDG_CACHE_HOME)."""
-    if os.environ.get("EMPANEL_PROFILE_DIR"):
-        return Path(os.environ["EMPANEL_PROFILE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "empanel-gguf" / "profiles"
-
-
 def default_path(index, identity=None):
     """Where `calibrate` saves the profile of this model file, and where "auto" looks."""
-    identity = identity or file_identity(index)
-    stem = Path(identity["name"]).stem
-    return cache_dir() / f"{stem}-{identity['header_sha256'][:16]}.json"
+    return cached_path(identity or file_identity(index), ".json")
 
 
 def count_routing(records, moe_layers, n_expert):
@@ -193,32 +169,3 @@ def resolve(index, moe_profile):
             return None, None
         return load_profile(path, index, identity), path
     return load_profile(moe_profile, index), Path(moe_profile)
-
-
-def calibrate(model_path, text=None, n_tokens=2048, n_threads=None):
-    """Route `text` (DEFAULT_TEXT when None; at most n_tokens tokens, in windows of the model's
-    training context) through the model and count each layer's experts. Every expert resident
-    when the model fits in memory, else slot pools (moe_slots="auto"): routing is the same either
-    way. Returns the Profile."""
-    from .estimate import model_shape
-    from .index import load_index
-    from .llama import Llama
-
-    index = load_index(model_path)
-    if not index.is_moe:
-        raise ProfileError(f"{model_path}: no routed experts ({index.architecture}): nothing to calibrate")
-    window = max(16, min(n_tokens, model_shape(index).n_ctx_train or 4096))
-    # logits_all: the last layer runs every token too (else only the tokens whose logits are wanted)
-    llm = Llama(str(model_path), moe_trace=True, moe_slots="auto", moe_profile=None, logits_all=True,
-                n_ctx=window, n_batch=min(512, window), n_threads=n_threads, verbose=False)
-    try:
-        tokens = llm.tokenize((text if text is not None else DEFAULT_TEXT).encode("utf-8"))[:n_tokens]
-        counts = np.zeros((len(index.moe_layers), index.n_expert), dtype=np.int64)
-        for start in range(0, len(tokens), window):
-            llm.reset()
-            llm.eval(tokens[start:start + window])
-            counts += count_routing(llm.moe_take_trace(), index.moe_layers, index.n_expert)
-    finally:
-        llm.close()
-    return Profile(model=file_identity(index), n_expert=index.n_expert, n_expert_used=index.n_expert_used,
-                   moe_layers=index.moe_layers, tokens=len(tokens), counts=counts)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .format import format_bytes
-from .policies import ENGINE_POLICIES, POLICIES, make_policy
+from .header import ENGINE_POLICIES
+from .policies import LAB_POLICIES, make_policy
 from .sizing import GLRU_HEADROOM, pool_slots
 
 
@@ -140,10 +141,10 @@ def default_sizes(trace):
 def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=None):
     """Every policy at every size. Returns a dict: the trace's summary, notes, and results (one
     dict per policy and size, see the module docstring)."""
-    policies = list(policies or POLICIES)
+    policies = list(policies or LAB_POLICIES)
     for name in policies:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}: one of {', '.join(POLICIES)}")
+        if name not in LAB_POLICIES:
+            raise ValueError(f"unknown policy {name!r}: one of {', '.join(LAB_POLICIES)}")
     sizes = list(sizes or default_sizes(trace))
     notes = []
     if count == "decode" and trace.n_decode == 0:

@@ -46,6 +46,18 @@ def add_servers(servers):
     return endpoints
 
 
+def use_servers(servers, llama_kwargs):
+    """Every face's RPC step, before planning (the estimate sees the devices): register the
+    servers (add_servers) and offload every layer to them unless llama_kwargs names
+    n_gpu_layers. Returns the endpoints, None without servers."""
+    if not servers:
+        return None
+    endpoints = add_servers(servers)
+    if llama_kwargs.get("n_gpu_layers") is None:
+        llama_kwargs["n_gpu_layers"] = -1
+    return endpoints
+
+
 def wire_counts():
     """(sent, received, round_trips): bytes this process put on and took off the wire to RPC
     servers, and the commands it waited for an answer to (each costs the network's latency)."""

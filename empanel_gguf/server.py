@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,10 +31,11 @@ from typing import List, Optional
 
 from . import llama_cpp  # our libraries first
 from .host_memory import available_memory, parse_floor, peak_rss
-from .plan import parse_moe_slots, plan_load
+from .plan import moe_options, parse_moe_slots, plan_load, print_notices
 from .sizing import DEFAULT_POLICY
+from .stats import COUNTERS
 from .llama import Llama as EmpanelLlama
-from .rpc import add_servers as add_rpc_servers
+from .rpc import use_servers as use_rpc_servers
 
 try:
     import llama_cpp.server.app as _app
@@ -147,14 +147,15 @@ class _LlamaCppWithSlots:
         return getattr(llama_cpp, name)
 
 
-def _llama_with_slots(moe_slots, rpc_servers=None, **moe):
-    """Llama whose moe_slots and rpc_servers (and, with slots, the other moe_* options) default to
-    the settings'."""
+def _llama_with_slots(moe_load=None, rpc_servers=None, **moe):
+    """Llama that loads with the settings' plan (moe_load; else their moe_* options, for a file
+    that could not be planned before it was there) and RPC servers."""
     class Llama(EmpanelLlama):
         def __init__(self, *args, **kwargs):
-            kwargs.setdefault("moe_slots", moe_slots)
             kwargs.setdefault("rpc_servers", rpc_servers)
-            if moe_slots is not None:
+            if moe_load is not None:
+                kwargs.setdefault("moe_load", moe_load)
+            elif moe.get("moe_slots") is not None:
                 for key, value in moe.items():
                     kwargs.setdefault(key, value)
             super().__init__(*args, **kwargs)
@@ -188,22 +189,24 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
 
         alias = settings.model_alias or settings.model
         rpc_servers = getattr(settings, "rpc_servers", None)
-        if rpc_servers:
-            add_rpc_servers(rpc_servers)  # before the estimate: it sees their devices
-            if "n_gpu_layers" not in settings.model_fields_set:
-                settings.n_gpu_layers = -1
+        if rpc_servers:  # before the estimate: it sees their devices
+            given = {"n_gpu_layers": settings.n_gpu_layers if "n_gpu_layers" in settings.model_fields_set else None}
+            use_rpc_servers(rpc_servers, given)
+            settings.n_gpu_layers = given["n_gpu_layers"]
+        moe = dict(moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
+                   moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
+                   moe_prefetch=getattr(settings, "moe_prefetch", 0), moe_subst=getattr(settings, "moe_subst", None),
+                   moe_verify=getattr(settings, "moe_verify", False),
+                   moe_profile=getattr(settings, "moe_profile", "auto"))
+        load = None
         if settings.hf_model_repo_id is None and not settings.vocab_only:
             index = load_index(settings.model)
+            lora = [settings.lora_path] if getattr(settings, "lora_path", None) else []
             load = plan_load(index, parse_moe_slots(getattr(settings, "moe_slots", None) or "auto"),
-                             settings.model_dump(), policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
-                             resident_layers=getattr(settings, "moe_resident_layers", 0),
+                             settings.model_dump(), options=moe_options(**moe), lora_paths=lora,
                              floor=parse_floor(getattr(settings, "mem_floor", None)),
                              force=getattr(settings, "force", False), what=f"loading {alias}")
-            for text in load.report(index):
-                _log(text)
-            if getattr(settings, "moe_subst", None) is not None and load.moe_slots is not None:
-                _log(f"{alias}: routing substitution on (moe_subst={settings.moe_subst}): outputs are "
-                     "APPROXIMATE, not those of the model fully in memory")
+            print_notices(load.report())
             moe_slots = load.moe_slots
             info = {"moe_slots": moe_slots, "plan": load.plan, "index": index, "estimate": load.estimate,
                     "floor": load.floor}
@@ -214,14 +217,8 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
                     "floor": parse_floor(getattr(settings, "mem_floor", None))}
 
         saved = _model.llama_cpp
-        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(
-            moe_slots, rpc_servers=rpc_servers, moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
-            moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
-            moe_prefetch=getattr(settings, "moe_prefetch", 0),
-            moe_subst=getattr(settings, "moe_subst", None),
-            moe_verify=getattr(settings, "moe_verify", False),
-            moe_profile=None if str(getattr(settings, "moe_profile", "auto")).lower() == "none"
-            else getattr(settings, "moe_profile", "auto")))
+        _model.llama_cpp = _LlamaCppWithSlots(_llama_with_slots(load, rpc_servers=rpc_servers, moe_slots=moe_slots,
+                                                                **moe))
         try:
             llm = _model.LlamaProxy.load_llama_from_model_settings(settings)
         finally:
@@ -246,10 +243,6 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             return alias, stats, self.loaded.get(alias, {})
         finally:
             self._swap.release()
-
-
-def _log(text):
-    print(f"empanel: {text}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,18 +321,6 @@ def stats_json(proxy, sampler):
     return out
 
 
-_METRICS = (  # name, stats key, type, help
-    ("empanel_expert_hits_total", "hits", "counter",
-     "Distinct experts of a micro-batch found in a slot."),
-    ("empanel_expert_misses_total", "misses", "counter",
-     "Distinct experts of a micro-batch read from the model file."),
-    ("empanel_read_bytes_total", "bytes_read", "counter", "Bytes of experts read from the model file."),
-    ("empanel_read_seconds_total", "read_s", "counter", "Time spent reading experts."),
-    ("empanel_remap_seconds_total", "remap_s", "counter", "Time spent in the remap step."),
-    ("empanel_remaps_total", "n_remaps", "counter", "Remap calls (one per micro-batch and layer)."),
-    ("empanel_slots", "n_slots", "gauge", "Expert slots of the layer's pool."),
-    ("empanel_slots_resident", "n_resident", "gauge", "Slots holding an expert."),
-)
 
 
 def _label(value):
@@ -359,7 +340,9 @@ def metrics_text(proxy, sampler):
             if value is None:
                 continue
             text = ",".join(f'{k}="{v}"' for k, v in labels)
-            lines.append(f"{name}{{{text}}} {float(value):.10g}" if text else f"{name} {float(value):.10g}")
+            # counts as integers (bytes pass 2**53 in long runs), times and rates as floats
+            shown = str(value) if isinstance(value, int) else f"{float(value):.10g}"
+            lines.append(f"{name}{{{text}}} {shown}" if text else f"{name} {shown}")
 
     def per_layer(key):
         return [((("model", model), ("layer", il)), row.get(key)) for il, row in data["layers"].items()]
@@ -367,8 +350,9 @@ def metrics_text(proxy, sampler):
     metric("empanel_slot_pools", "gauge", "1 if the model runs with expert slot pools.",
            [((("model", model),), 1 if data["slot_pools"] else 0)])
     if data["slot_pools"]:
-        for name, key, kind, help_text in _METRICS:
-            metric(name, kind, help_text, per_layer(key))
+        for c in COUNTERS:  # the per-layer series, as llama.cpp's programs name them (csrc/load.c)
+            if c.metric:
+                metric("empanel_" + c.metric, c.kind, c.help, per_layer(c.name))
         metric("empanel_hit_rate", "gauge", "Expert hit rate since the model was loaded.",
                [((("model", model),), data["total"]["hit_rate"])])
         recent = data.get("recent") or {}

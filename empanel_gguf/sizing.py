@@ -24,7 +24,6 @@ _UNITS = {
 }
 
 
-POLICIES = ("lru", "lfu-decay", "g-lru")  # the engine's policies (_native.policy_names(): the C enum)
 DEFAULT_POLICY = "lfu-decay"  # measured: fewer misses than lru and g-lru (README, Performance)
 
 GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share

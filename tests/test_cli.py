@@ -299,7 +299,7 @@ def test_plan_load_auto_slots(model):
     six = estimate.estimate(index, plan_slots(index, 6), n_ctx=512)
     load = plan.plan_load(index, "auto", {"n_ctx": 512}, available=six.host, floor=0)
     assert load.moe_slots == 6 and load.plan.min_slots == 6 and load.estimate.host == six.host < full.host
-    assert any("6 of" in line for line in load.report(index))
+    assert any("6 of" in line for line in load.report())
     fewest = estimate.estimate(index, plan_slots(index, 4), n_ctx=512)
     with pytest.raises(guard.MemoryRefused, match="even the fewest slots"):
         plan.plan_load(index, "auto", {"n_ctx": 512}, available=fewest.host - 1, floor=0)

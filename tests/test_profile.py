@@ -11,7 +11,8 @@ from empanel_gguf import Llama, fixtures
 from empanel_gguf.commands.options import BUILTIN_MODEL
 from empanel_gguf.exactness import greedy_logits
 from empanel_gguf.index import load_index
-from empanel_gguf.profile import ProfileError, calibrate, default_path, load_profile, resolve, save_profile
+from empanel_gguf.commands.calibrate import calibrate
+from empanel_gguf.profile import ProfileError, default_path, load_profile, resolve, save_profile
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))

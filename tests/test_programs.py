@@ -29,8 +29,8 @@ from empanel_gguf import fixtures
 from empanel_gguf.commands import programs
 from empanel_gguf.commands.options import BUILTIN_MODEL
 from empanel_gguf.index import load_index
-from empanel_gguf.pools import pool_setup
-from empanel_gguf.program_plan import plan_text
+from empanel_gguf.plan import pool_setup
+from empanel_gguf.plan_file import plan_text
 from empanel_gguf.sizing import plan_slots
 
 REPO = Path(__file__).resolve().parent.parent

@@ -42,7 +42,7 @@ def parse_config(text: str, top_k: int) -> list[Config]:
     elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():
         kind, slots, ra = MMAP, None, int(name[len(MMAP) + 3:])
     elif name.startswith(EMPANEL + "-") and len(name) > len(EMPANEL) + 1:
-        from ..sizing import POLICIES
+        from ..header import ENGINE_POLICIES
 
         value, *parts = name[len(EMPANEL) + 1:].split("/")
         kind, ra = EMPANEL, None
@@ -52,11 +52,11 @@ def parse_config(text: str, top_k: int) -> list[Config]:
             if "=" in part:  # a Llama moe_* option of this run: prefetch=1, guess=off, profile=PATH
                 key, opt = parse_opt(part)
                 opts[key if key.startswith("moe_") else f"moe_{key}"] = opt
-            elif part in POLICIES:
+            elif part in ENGINE_POLICIES:
                 policy = part
             else:
                 raise SystemExit(f"bench: config '{text}': '{part}' is neither a policy "
-                                 f"({', '.join(POLICIES)}) nor key=value")
+                                 f"({', '.join(ENGINE_POLICIES)}) nor key=value")
         return [Config(name, c, kind, slots, ra, policy, opts or None) for c in caps]
     else:
         raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "

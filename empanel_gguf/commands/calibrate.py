@@ -11,6 +11,8 @@ only which experts are resident before the first token. Exit status: 0 saved, 1 
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .options import add_text_args, command_parser
 
 
@@ -21,10 +23,41 @@ def setup_arg_parser():
     return parser
 
 
+def calibrate(model_path, text=None, n_tokens=2048, n_threads=None):
+    """Route `text` (DEFAULT_TEXT when None; at most n_tokens tokens, in windows of the model's
+    training context) through the model and count each layer's experts. Every expert resident
+    when the model fits in memory, else slot pools (moe_slots="auto"): routing is the same either
+    way. Returns the Profile."""
+    from ..cache import file_identity
+    from ..estimate import model_shape
+    from ..index import load_index
+    from ..llama import Llama
+    from ..profile import DEFAULT_TEXT, Profile, ProfileError, count_routing
+
+    index = load_index(model_path)
+    if not index.is_moe:
+        raise ProfileError(f"{model_path}: no routed experts ({index.architecture}): nothing to calibrate")
+    window = max(16, min(n_tokens, model_shape(index).n_ctx_train or 4096))
+    # logits_all: the last layer runs every token too (else only the tokens whose logits are wanted)
+    llm = Llama(str(model_path), moe_trace=True, moe_slots="auto", moe_profile=None, logits_all=True,
+                n_ctx=window, n_batch=min(512, window), n_threads=n_threads, verbose=False)
+    try:
+        tokens = llm.tokenize((text if text is not None else DEFAULT_TEXT).encode("utf-8"))[:n_tokens]
+        counts = np.zeros((len(index.moe_layers), index.n_expert), dtype=np.int64)
+        for start in range(0, len(tokens), window):
+            llm.reset()
+            llm.eval(tokens[start:start + window])
+            counts += count_routing(llm.moe_take_trace(), index.moe_layers, index.n_expert)
+    finally:
+        llm.close()
+    return Profile(model=file_identity(index), n_expert=index.n_expert, n_expert_used=index.n_expert_used,
+                   moe_layers=index.moe_layers, tokens=len(tokens), counts=counts)
+
+
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     from ..index import ModelError, load_index
-    from ..profile import ProfileError, calibrate, default_path, save_profile
+    from ..profile import ProfileError, default_path, save_profile
 
     try:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace") if args.file else None

@@ -121,13 +121,14 @@ def patch_llama_cpp(module):
 
         def __init__(self, model_path, *args, moe_slots=_FROM_ENV, **kwargs):
             if os.environ.get("EMPANEL_RPC_SERVERS") and not kwargs.get("rpc_servers"):
-                from ..rpc import add_servers
+                from ..rpc import use_servers
 
                 kwargs["rpc_servers"] = os.environ["EMPANEL_RPC_SERVERS"]
-                add_servers(kwargs["rpc_servers"])  # before the guard's estimate: it sees the devices
-                kwargs.setdefault("n_gpu_layers", -1)
+                use_servers(kwargs["rpc_servers"], kwargs)  # before the guard's estimate: it sees the devices
             if moe_slots is _FROM_ENV:
-                moe_slots = _slots_from_env(model_path, kwargs)
+                moe_slots = None
+                if kwargs.get("moe_load") is None:
+                    kwargs["moe_load"], moe_slots = _load_from_env(model_path, kwargs)
             super().__init__(model_path, *args, moe_slots=moe_slots, **kwargs)
 
     Llama.__name__ = Llama.__qualname__ = "Llama"
@@ -137,25 +138,25 @@ def patch_llama_cpp(module):
     return Llama
 
 
-def _slots_from_env(model_path, kwargs):
-    """EMPANEL_MOE_SLOTS for this load, after the memory guard (which raises MemoryRefused)."""
+def _load_from_env(model_path, kwargs):
+    """(the plan of this load, None) for EMPANEL_MOE_SLOTS after the memory guard (which raises
+    MemoryRefused); (None, moe_slots) where the file cannot be indexed (Llama reports its problem)."""
     from ..host_memory import parse_floor
     from ..index import ModelError, load_index
-    from ..plan import parse_moe_slots, plan_load
-    from ..sizing import DEFAULT_POLICY
+    from ..plan import moe_options, parse_moe_slots, plan_load, print_notices
 
     moe_slots = parse_moe_slots(os.environ.get("EMPANEL_MOE_SLOTS"))
     if kwargs.get("vocab_only"):
-        return None
+        return None, None
     try:
         index = load_index(model_path)
     except (ModelError, OSError):
-        return None if moe_slots == "auto" else moe_slots  # Llama reports the file's problem
+        return None, (None if moe_slots == "auto" else moe_slots)
     force = os.environ.get("EMPANEL_FORCE", "").strip().lower() in ("1", "true", "on", "yes")
-    load = plan_load(index, moe_slots, kwargs, policy=kwargs.get("moe_policy", DEFAULT_POLICY),
+    moe = {key: kwargs.pop(key) for key in list(kwargs) if key.startswith("moe_") and key != "moe_load"}
+    lora = [kwargs["lora_path"]] if kwargs.get("lora_path") else []
+    load = plan_load(index, moe_slots, kwargs, options=moe_options(**moe), lora_paths=lora,
                      floor=parse_floor(os.environ.get("EMPANEL_MEM_FLOOR")), force=force,
                      what=f"loading {Path(model_path).name}")
-    if kwargs.get("verbose", True):
-        for text in load.report(index):
-            print(f"empanel: {text}", file=sys.stderr)
-    return load.moe_slots
+    print_notices(load.report(), kwargs.get("verbose", True))
+    return load, None

@@ -5,10 +5,10 @@ load plan from parsed options (plan.plan_load).
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-from ..sizing import DEFAULT_POLICY, POLICIES
+from ..header import ENGINE_POLICIES
+from ..sizing import DEFAULT_POLICY
 
 EXIT_MEMORY = 3  # refused or stopped by the memory guard
 
@@ -140,7 +140,7 @@ def add_moe_args(parser, moe_slots_default="auto"):
                  "pools (6GiB), auto (slot pools only if the experts do not fit in memory), or "
                  "none (every expert resident)")
     env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default=DEFAULT_POLICY,
-            choices=tuple(POLICIES),
+            choices=tuple(ENGINE_POLICIES),
             help="which expert a full pool evicts: lfu-decay (least used, decaying counts) and lru "
                  "per layer, g-lru with one budget for all layers")
     env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
@@ -178,42 +178,41 @@ def llama_kwargs(args, n_ctx):
     used)."""
     kwargs = dict(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_threads=args.threads,
                   n_threads_batch=args.threads_batch, flash_attn=args.flash_attn, verbose=args.verbose)
-    ngl = args.n_gpu_layers
+    kwargs["n_gpu_layers"] = args.n_gpu_layers
     if args.rpc:
-        from ..rpc import add_servers
+        from ..rpc import use_servers
 
-        add_servers(args.rpc)
+        use_servers(args.rpc, kwargs)
         kwargs["rpc_servers"] = args.rpc
-        ngl = -1 if ngl is None else ngl
-    kwargs["n_gpu_layers"] = 0 if ngl is None else ngl
+    if kwargs["n_gpu_layers"] is None:
+        kwargs["n_gpu_layers"] = 0
     return kwargs
 
 
-def moe_kwargs(args):
-    """The Llama moe_* arguments of the options add_moe_args added (moe_slots aside)."""
-    return dict(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
-                moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io,
-                moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
-                moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
-                moe_verify=args.moe_verify,
-                moe_profile=None if str(args.moe_profile).lower() in ("none", "off", "") else args.moe_profile)
+def moe_options_from_args(args, trace=False):
+    """plan.MoeOptions of the options add_moe_args added (moe_slots aside)."""
+    from ..plan import moe_options
+
+    return moe_options(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
+                       moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io, moe_trace=trace,
+                       moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
+                       moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
+                       moe_verify=args.moe_verify, moe_profile=args.moe_profile)
 
 
-def plan_from_args(index, args, moe_slots, kwargs):
-    """plan.plan_load with the options' policy, floor and --force; logs its report as notes."""
+def plan_from_args(index, args, moe_slots, kwargs, trace=False, lora_paths=()):
+    """plan.plan_load with the options, floor and --force; logs its report as notes. Give the
+    result to Llama(moe_load=...) or plan_file.load_text: nothing is planned twice."""
     from ..host_memory import parse_floor
-    from ..plan import plan_load
+    from ..plan import plan_load, print_notices
 
-    load = plan_load(index, moe_slots, kwargs, policy=args.moe_policy, resident_layers=args.moe_resident_layers,
-                     floor=parse_floor(args.mem_floor), force=args.force,
-                     what=f"loading {Path(index.path).name}")
-    for line in load.report(index):
-        note(line)
-    if args.moe_subst is not None and load.moe_slots is not None:
-        note(f"routing substitution on (--moe-subst {args.moe_subst}): outputs are APPROXIMATE, not those "
-             "of the model fully in memory")
+    load = plan_load(index, moe_slots, kwargs, options=moe_options_from_args(args, trace), lora_paths=lora_paths,
+                     floor=parse_floor(args.mem_floor), force=args.force, what=f"loading {Path(index.path).name}")
+    print_notices(load.report())
     return load
 
 
 def note(text):
-    print(f"empanel: {text}", file=sys.stderr, flush=True)
+    from ..plan import print_notices
+
+    print_notices([text])

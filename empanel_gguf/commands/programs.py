@@ -156,15 +156,11 @@ def _int_or(text, default):
 def plan_for_program(name, args, flags):
     """A function stats_path -> the plan's text, or None when the program runs stock (no -m, no
     slot pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
-    from .. import digests as digest_files
     from ..estimate import model_shape
     from ..index import load_index
-    from ..llama import check_adapter
-    from ..plan import parse_moe_slots, wants_preload
-    from ..pools import pool_setup, preload_orders
-    from ..profile import ProfileError, resolve
-    from .options import moe_kwargs, plan_from_args
-    from ..program_plan import plan_text
+    from ..plan import parse_moe_slots
+    from ..plan_file import load_text
+    from .options import plan_from_args
 
     values = program_flags(flags, lists=name == "llama-bench")
     models = values["model"]
@@ -181,38 +177,10 @@ def plan_for_program(name, args, flags):
     if values.get("rpc"):  # the program registers the servers: their layers are not held here
         kwargs["gpu_offload"] = True
         kwargs["n_gpu_layers"] = _int_or(values.get("ngl"), -1)
-    load = plan_from_args(index, args, moe_slots, kwargs)
-    if load.moe_slots is None:
+    load = plan_from_args(index, args, moe_slots, kwargs, lora_paths=values["lora"])
+    if load.pools is None:
         return None
-    for adapter in values["lora"]:
-        check_adapter(adapter)
-    moe = moe_kwargs(args)
-    setup = pool_setup(index, load.plan, moe["moe_policy"], moe["moe_io_threads"], moe["moe_chunk_kb"],
-                       moe["moe_direct_io"], False, moe["moe_guess"], moe["moe_prefetch"], moe["moe_subst"],
-                       moe["moe_verify"])
-    profile = None
-    try:
-        profile, where = resolve(index, moe["moe_profile"])
-    except ProfileError as e:
-        if moe["moe_profile"] != "auto":
-            raise ValueError(str(e)) from None
-        note(f"warm start: {e}; starting cold")
-    orders = None
-    if profile is not None:
-        orders = preload_orders(profile, setup.n_slots, index.moe_layers, seed_uses=load.plan.min_slots)
-        note(f"warm start: {where} ({profile.tokens} tokens routed): each layer's most used experts are preloaded")
-    saved = None
-    if moe["moe_verify"]:
-        try:
-            saved = digest_files.load(index)
-        except digest_files.DigestError as e:
-            raise ValueError(f"--moe-verify: {e}") from None
-        note("moe_verify: " + ("expert reads checked against the saved digests" if saved is not None
-                               else "no saved digests (empanel-gguf verify saves them): each expert's first read "
-                                    "gives its digest"))
-    preload = wants_preload(load.plan, profile is not None, moe["moe_preload"])
-    return lambda stats_path: plan_text(index, setup, preload=preload, orders=orders, digests=saved,
-                                        stats_path=stats_path)
+    return lambda stats_path: load_text(load, stats_path=stats_path)
 
 
 def run_program(path, flags, env):
@@ -245,9 +213,8 @@ def run_program(path, flags, env):
 def main(name, argv=None):
     from ..guard import MemoryRefused
     from ..index import ModelError
-    from ..pools import summary_line
-    from ..program_plan import read_stats
     from ..sizing import SlotsError
+    from ..stats import read_stats_file, summary_line
 
     parser = setup_arg_parser(name)
     ours, flags = split_args(parser, list(sys.argv[1:] if argv is None else argv))
@@ -278,7 +245,7 @@ def main(name, argv=None):
         env["EMPANEL_PLAN"] = str(plan_path)
         rc = run_program(path, flags, env)
         try:
-            loads = read_stats(stats_path)
+            loads = read_stats_file(stats_path)
         except (OSError, ValueError) as e:
             note(f"the program's statistics could not be read ({e})")
             return rc

@@ -24,7 +24,7 @@ import sys
 
 
 def setup_arg_parser():
-    from ..policies import POLICIES
+    from ..policies import LAB_POLICIES
 
     parser = argparse.ArgumentParser(
         prog="empanel-gguf replay", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
@@ -33,8 +33,8 @@ def setup_arg_parser():
     parser.add_argument("--slots", metavar="LIST",
                         help="cache sizes per layer, comma-separated: counts, shares (25%%), budgets "
                              "(2GiB), recorded (default: top-k, 12.5%%, 25%%, 50%% and the recorded size)")
-    parser.add_argument("--policies", metavar="LIST", default=",".join(POLICIES),
-                        help=f"comma-separated, of {', '.join(POLICIES)} (default: all)")
+    parser.add_argument("--policies", metavar="LIST", default=",".join(LAB_POLICIES),
+                        help=f"comma-separated, of {', '.join(LAB_POLICIES)} (default: all)")
     parser.add_argument("--gbps", type=float, default=1.0,
                         help="drive bandwidth in GB/s for the tok/s ceiling (default: 1.0)")
     parser.add_argument("--count", choices=("decode", "all"), default="decode",

@@ -25,8 +25,8 @@ from pathlib import Path
 from ..format import format_bytes
 from ..progress import PromptProgress
 from .options import (DEFAULT_MODEL_SLOTS, DEFAULT_PROMPT, EXIT_MEMORY, add_load_args, add_memory_args,
-                      add_moe_args, add_sampling_args, default_model_path, env_arg, llama_kwargs, moe_kwargs,
-                      note, plan_from_args)
+                      add_moe_args, add_sampling_args, default_model_path, env_arg, llama_kwargs, note,
+                      plan_from_args)
 
 def setup_arg_parser():
     parser = argparse.ArgumentParser(
@@ -309,11 +309,9 @@ def main(argv=None):
 
     kwargs.update(use_mmap=not args.no_mmap, use_mlock=args.mlock,
                   seed=llama_cpp.LLAMA_DEFAULT_SEED if args.seed < 0 else args.seed)
-    if load.moe_slots is not None:
-        kwargs.update(moe_kwargs(args))
     try:
         with load_progress(name):
-            llm = Llama(model, moe_slots=load.moe_slots, **kwargs)
+            llm = Llama(model, moe_load=load, **kwargs)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"empanel-gguf run: could not load {model}: {e}", file=sys.stderr)
         return 1

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..progress import PromptProgress
 from .options import (DEFAULT_PROMPT, EXIT_MEMORY, add_load_args, add_memory_args, add_moe_args,
-                      add_sampling_args, env_arg, llama_kwargs, moe_kwargs, note, plan_from_args)
+                      add_sampling_args, env_arg, llama_kwargs, note, plan_from_args)
 
 
 def setup_arg_parser():
@@ -87,7 +87,7 @@ def main(argv=None):
         if not index.is_moe:
             raise ValueError(f"{name}: no routed experts ({index.architecture}): nothing to trace")
         kwargs = llama_kwargs(args, cli_n_ctx(model_shape(index), args.ctx_size))
-        load = plan_from_args(index, args, parse_moe_slots(args.moe_slots or "auto"), kwargs)
+        load = plan_from_args(index, args, parse_moe_slots(args.moe_slots or "auto"), kwargs, trace=True)
     except (OSError, ModelError, SlotsError, ValueError) as e:
         print(f"empanel-gguf trace: {e}", file=sys.stderr)
         return 1
@@ -97,10 +97,8 @@ def main(argv=None):
 
     moe_slots, plan = load.moe_slots, load.plan
     kwargs["seed"] = llama_cpp.LLAMA_DEFAULT_SEED if args.seed < 0 else args.seed
-    if moe_slots is not None:
-        kwargs.update(moe_slots=moe_slots, **moe_kwargs(args))
     try:
-        llm = Llama(args.model, moe_trace=True, **kwargs)
+        llm = Llama(args.model, moe_load=load, **kwargs)
         llm.prompt_progress = PromptProgress()
     except (ValueError, RuntimeError, OSError) as e:
         print(f"empanel-gguf trace: could not load {args.model}: {e}", file=sys.stderr)

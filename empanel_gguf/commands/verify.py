@@ -35,8 +35,9 @@ def _progress(t0):
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     from .. import digests
+    from .._native import hash64
+    from ..cache import file_identity
     from ..index import ModelError, load_index
-    from ..profile import file_identity
 
     try:
         index = load_index(args.model)
@@ -47,9 +48,9 @@ def main(argv=None):
         saved = None if args.force else digests.load(index, path, identity)
         t0 = time.perf_counter()
         if saved is not None:
-            changed = digests.check(index, saved, _progress(t0))
+            changed = digests.check(index, saved, hash64, _progress(t0))
         else:
-            new = digests.compute(index, _progress(t0))
+            new = digests.compute(index, hash64, _progress(t0))
         seconds = time.perf_counter() - t0
     except (OSError, ModelError, digests.DigestError) as e:
         print(f"empanel-gguf verify: {e}", file=sys.stderr)

@@ -1,9 +1,10 @@
-// The plan file of llama.cpp's programs (see program.c): written by empanel_gguf/program_plan.py,
-// read here into a struct empanel_plan.
+// The plan of a load written down (empanel_gguf/plan_file.py), read here into a struct
+// empanel_plan: from a file for llama.cpp's programs (EMPANEL_PLAN), from memory for a load in
+// the Python process. Both then go through load.c.
 //
-// The plan file: one record per line, fields separated by one space, a path always last (it may
-// hold spaces). Written by empanel_gguf/program_plan.py; every record is required except order,
-// digests and stats, and `end` closes it (a truncated plan is refused).
+// One record per line, fields separated by one space, a path always last (it may hold spaces).
+// Every record is required except order, digests and stats (and tensor when no layer is paged:
+// a load that only traces routing), and `end` closes it (a truncated plan is refused).
 //
 //   empanel-plan <version>
 //   model <realpath of the first shard>
@@ -390,16 +391,10 @@ void empanel_plan_free(struct empanel_plan * plan) {
     memset(plan, 0, sizeof(*plan));
 }
 
-int empanel_plan_read(const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
+// the plan in f (named `source` in messages) for a load of model_path (see empanel_plan_read)
+static int plan_parse(FILE * f, const char * source, const char * model_path, struct empanel_plan * plan, char * err,
                       size_t err_size) {
-    memset(plan, 0, sizeof(*plan));
-    empanel_format_err(err, err_size, "%s", "");
-    FILE * f = fopen(plan_path, "r");
-    if (f == NULL) {
-        empanel_format_err(err, err_size, "the plan %s: %s", plan_path, strerror(errno));
-        return -1;
-    }
-    struct plan_reader r = { .f = f, .path = plan_path };
+    struct plan_reader r = { .f = f, .path = source };
     int rc = -1;
     int ended = 0;
     int64_t version = 0;
@@ -407,16 +402,16 @@ int empanel_plan_read(const char * plan_path, const char * model_path, struct em
     // the header and the model first: a load of another model (a draft model) takes no plan
     const char * magic = next_line(&r) ? next_field(&r) : NULL;
     if (magic == NULL || strcmp(magic, "empanel-plan") != 0 || field_i64(&r, &version) != 0) {
-        empanel_format_err(err, err_size, "%s is not an empanel plan", plan_path);
+        empanel_format_err(err, err_size, "%s is not an empanel plan", source);
         goto done;
     }
     if (version != EMPANEL_PLAN_VERSION) {
         empanel_format_err(err, err_size, "%s: plan version %" PRId64 ", this sidecar reads version %d (the package and "
-                "its libraries are from different builds)", plan_path, version, EMPANEL_PLAN_VERSION);
+                "its libraries are from different builds)", source, version, EMPANEL_PLAN_VERSION);
         goto done;
     }
     if (!next_line(&r) || parse_record(&r, plan, err, err_size) != 0 || plan->model[0] == '\0') {
-        empanel_format_err(err, err_size, "%s:%d: the second record must be 'model'", plan_path, r.line_no);
+        empanel_format_err(err, err_size, "%s:%d: the second record must be 'model'", source, r.line_no);
         goto done;
     }
     char resolved[PATH_MAX];
@@ -431,9 +426,17 @@ int empanel_plan_read(const char * plan_path, const char * model_path, struct em
         }
         ended = got == 1;
     }
-    if (!ended || (plan->seen & PLAN_REQUIRED) != PLAN_REQUIRED) {
+    int required = PLAN_REQUIRED;
+    int paged    = 0;
+    for (int32_t il = 0; plan->n_slots != NULL && il < plan->n_layer; il++) {
+        paged |= plan->n_slots[il] > 0;
+    }
+    if (!paged) {
+        required &= ~PLAN_TENSOR; // observed layers only (a routing trace): no pool tensor
+    }
+    if (!ended || (plan->seen & required) != required) {
         empanel_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
-                           "model, file, shape, params, guess, subst, preload, slots, tensor)", plan_path);
+                           "model, file, shape, params, guess, subst, preload, slots, tensor)", source);
         goto done;
     }
     rc = 1;
@@ -442,9 +445,36 @@ done:
         empanel_plan_free(plan);
     }
     if (rc < 0 && err != NULL && err_size > 0 && err[0] == '\0') {
-        empanel_format_err(err, err_size, "%s: could not be read", plan_path);
+        empanel_format_err(err, err_size, "%s: could not be read", source);
     }
     free(r.line);
+    return rc;
+}
+
+int empanel_plan_read(const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
+                      size_t err_size) {
+    memset(plan, 0, sizeof(*plan));
+    empanel_format_err(err, err_size, "%s", "");
+    FILE * f = fopen(plan_path, "r");
+    if (f == NULL) {
+        empanel_format_err(err, err_size, "the plan %s: %s", plan_path, strerror(errno));
+        return -1;
+    }
+    const int rc = plan_parse(f, plan_path, model_path, plan, err, err_size);
+    fclose(f);
+    return rc;
+}
+
+int empanel_plan_read_text(const char * text, const char * model_path, struct empanel_plan * plan, char * err,
+                           size_t err_size) {
+    memset(plan, 0, sizeof(*plan));
+    empanel_format_err(err, err_size, "%s", "");
+    FILE * f = fmemopen((void *) text, strlen(text), "r");
+    if (f == NULL) {
+        empanel_format_err(err, err_size, "the plan: %s", strerror(errno));
+        return -1;
+    }
+    const int rc = plan_parse(f, "the plan", model_path, plan, err, err_size);
     fclose(f);
     return rc;
 }

@@ -1,0 +1,47 @@
+// The helpers every unit of the sidecar uses: errors (a pool's first failure, a caller's err
+// buffer), the monotonic clock and the expert digest. They depend on nothing but the pool's
+// struct, so pool.c, files.c, reader.c and rpc.c share them without depending on each other.
+
+#include "empanel.h"
+#include "empanel-impl.h"
+
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <time.h>
+
+// xxHash from llama.cpp's vendor/hash (the pinned source tree), header only
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...) {
+    if (atomic_load(&pool->failed)) {
+        return; // keep the first failure: it is the cause
+    }
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(pool->error, sizeof(pool->error), fmt, args);
+    va_end(args);
+    atomic_store(&pool->failed, 1);
+}
+
+void empanel_format_err(char * err, size_t err_size, const char * fmt, ...) {
+    if (err == NULL || err_size == 0) {
+        return;
+    }
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, err_size, fmt, args);
+    va_end(args);
+}
+
+uint64_t empanel_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+}
+
+uint64_t empanel_hash64(const void * data, uint64_t n) {
+    const uint64_t h = (uint64_t) XXH3_64bits(data, (size_t) n);
+    return h + (h == 0); // 0 means "not known"
+}

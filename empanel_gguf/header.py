@@ -1,0 +1,96 @@
+"""What csrc/empanel.h declares as lists, read as data: the counters of a paged layer and the
+eviction policies.
+
+Both are declared once, as X-macro lists in the header (EMPANEL_LAYER_COUNTERS, EMPANEL_POLICIES):
+the C structs and enums, the programs' stats file and /metrics (csrc/load.c), the cffi
+declarations (_native.py) and the Python names all come from them. This module reads the header
+that came with the libraries (the source tree's in a checkout); it loads no library, so planning
+can use it.
+
+    COUNTERS          Counter(field, kind, metric, help) per counter, in the struct's order
+    ENGINE_POLICIES   the engine's eviction policies by name, in enum order
+    SIDECAR_VERSION   EMPANEL_SIDECAR_VERSION: the library must report the same
+    policy_id(name)   enum empanel_policy of a name; ValueError if unknown
+"""
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_HEADER = PACKAGE_DIR.parent / "csrc" / "empanel.h"
+
+
+@dataclass(frozen=True)
+class Counter:
+    field: str    # member of struct empanel_layer_stats (uint64_t); *_ns in nanoseconds
+    kind: str     # "counter" or "gauge" (Prometheus types)
+    metric: str   # Prometheus series without the empanel_ prefix, "" for none
+    help: str
+
+    @property
+    def name(self):
+        """The name Python reports: *_ns fields as *_s, in seconds."""
+        return self.field[:-3] + "_s" if self.field.endswith("_ns") else self.field
+
+    def value(self, raw):
+        """The reported value of a raw count (seconds for *_ns)."""
+        return raw / 1e9 if self.field.endswith("_ns") else raw
+
+
+def header_path():
+    """empanel.h as installed next to the libraries (EMPANEL_GGUF_LIB_DIR or the package's lib/),
+    else the source tree's."""
+    lib = Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_DIR / "lib")
+    for path in (lib / "empanel.h", SOURCE_HEADER):
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"empanel.h is missing from {lib}; reinstall empanel-gguf")
+
+
+def x_list(header_text, macro):
+    """The argument lists of the entries X(...) of `#define macro(X)` in header_text, as strings."""
+    match = re.search(rf"#define {macro}\(X\)((?:[^\n]*\\\n)*[^\n]*)", header_text)
+    if match is None:
+        raise ValueError(f"empanel.h has no {macro} list")
+    entries = re.findall(r'X\(((?:[^()"]|"(?:[^"\\]|\\.)*")*)\)', match.group(1))
+    if not entries:
+        raise ValueError(f"empanel.h: {macro} is empty")
+    return entries
+
+
+def _fields(entry):
+    """'a, b, "c, d"' -> ['a', 'b', 'c, d']: bare words and quoted strings."""
+    return [quoted if bare == "" else bare for quoted, bare in re.findall(r'"((?:[^"\\]|\\.)*)"|([^,\s"]+)', entry)]
+
+
+def parse_counters(header_text):
+    """EMPANEL_LAYER_COUNTERS of a header's text, in order."""
+    return tuple(Counter(*_fields(e)) for e in x_list(header_text, "EMPANEL_LAYER_COUNTERS"))
+
+
+def parse_policies(header_text):
+    """[(id, name)] of EMPANEL_POLICIES of a header's text, in enum order."""
+    return [tuple(_fields(e)) for e in x_list(header_text, "EMPANEL_POLICIES")]
+
+
+def parse_version(header_text):
+    """EMPANEL_SIDECAR_VERSION of a header's text."""
+    match = re.search(r"#define EMPANEL_SIDECAR_VERSION (\d+)", header_text)
+    if match is None:
+        raise ValueError("empanel.h has no EMPANEL_SIDECAR_VERSION")
+    return int(match.group(1))
+
+
+HEADER_TEXT = header_path().read_text()
+COUNTERS = parse_counters(HEADER_TEXT)
+ENGINE_POLICIES = tuple(name for _, name in parse_policies(HEADER_TEXT))
+SIDECAR_VERSION = parse_version(HEADER_TEXT)
+
+
+def policy_id(name):
+    """enum empanel_policy of a policy name ("lru", "lfu-decay", "g-lru"); ValueError if unknown."""
+    if name not in ENGINE_POLICIES:
+        raise ValueError(f"moe_policy={name!r}: one of {', '.join(ENGINE_POLICIES)}")
+    return ENGINE_POLICIES.index(name)

@@ -1,0 +1,193 @@
+"""The seams hold: planning loads no library, no module imports another that imports it back,
+the sidecar's units share their helpers without circles, counters and policies are declared once
+(csrc/empanel.h) and every face plans once."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "empanel_gguf"
+
+# planning and what it stands on: pure Python over the model's header and our cache files
+PLANNING = ("cache", "digests", "estimate", "format", "guard", "header", "host_memory", "index", "plan",
+            "plan_file", "profile", "sizing", "stats")
+# the drop-in, the native seam and the faces, which planning must never import
+ABOVE_OR_NATIVE = ("empanel_gguf._native", "empanel_gguf.llama", "empanel_gguf.pools", "empanel_gguf.rpc",
+                   "empanel_gguf.server", "empanel_gguf.commands")
+
+
+def _modules():
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name, path, mods, top_level_only):
+    """The package's modules that `name` imports (at module level only, or anywhere)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            candidates = [target] + [f"{target}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        # the package itself (`from . import x`) is not an edge: x is
+        found |= {c for c in candidates if c in mods and c not in (name, "empanel_gguf")}
+    return found
+
+
+def _reach(graph, start):
+    seen, stack = set(), [start]
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def test_planning_imports_neither_the_drop_in_nor_the_native_seam():
+    mods = _modules()
+    graph = {name: _imports(name, path, mods, top_level_only=False) for name, path in mods.items()}
+    for module in PLANNING:
+        reached = _reach(graph, f"empanel_gguf.{module}")
+        bad = sorted(m for m in reached if m.startswith(ABOVE_OR_NATIVE))
+        assert not bad, f"empanel_gguf.{module} imports {bad} (directly or through others)"
+
+
+def test_no_module_level_import_circles():
+    mods = _modules()
+    graph = {name: _imports(name, path, mods, top_level_only=True) for name, path in mods.items()}
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in _reach(graph, b)})
+    assert not circles, f"modules that import each other: {circles}"
+
+
+def test_sidecar_units_have_no_circles():
+    """Each csrc/*.c unit's calls into functions defined in other units form no circle (the
+    error, clock and hash helpers live in util.c, which calls nobody)."""
+    units = {path.stem: path.read_text() for path in (REPO / "csrc").glob("*.c")}
+    defined = {}
+    for unit, text in units.items():
+        for fn in re.findall(r"^[a-z_][\w \*]*?\b(empanel_\w+)\s*\(", text, re.M):
+            defined.setdefault(fn, unit)
+    graph = {unit: {defined[fn] for fn in re.findall(r"\b(empanel_\w+)\s*\(", text)
+                    if fn in defined and defined[fn] != unit} for unit, text in units.items()}
+    assert graph["util"] == set()
+    for unit in ("pool", "reader", "files", "rpc"):
+        assert "util" in graph[unit], unit
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in _reach(graph, b)})
+    # pool.c <-> remap.c and kin are one engine; the I/O units must not lean back on pool.c
+    for a, b in circles:
+        assert not ({a, b} & {"files", "reader", "rpc", "util"}), f"csrc/{a}.c and csrc/{b}.c call each other"
+
+
+def test_counters_are_declared_once():
+    """The counters of EMPANEL_LAYER_COUNTERS are the C struct (as cffi sees it), the names Python
+    reports, and the metric names; nothing else lists them."""
+    from empanel_gguf import _native
+    from empanel_gguf.header import COUNTERS
+    from empanel_gguf.stats import NAMES, layer_stats
+
+    ffi = _native.native().ffi
+    fields = [name for name, _ in ffi.typeof("struct empanel_layer_stats").fields]
+    assert fields == [c.field for c in COUNTERS]
+    assert all(ffi.typeof("struct empanel_layer_stats").fields[i][1].type.cname == "uint64_t"
+               for i in range(len(fields)))
+    row = layer_stats({0: {c.field: 1_000_000_000 for c in COUNTERS}})["layers"][0]
+    assert set(NAMES) <= set(row) and row["read_s"] == 1.0 and row["hits"] == 1_000_000_000
+    metrics = [c.metric for c in COUNTERS if c.metric]
+    assert len(metrics) == len(set(metrics)) and {"expert_hits_total", "slots_resident"} <= set(metrics)
+    # no other file spells the counters out: a list of three or more field names in a row
+    listing = re.compile(r'"n_remaps",\s*"n_waves"|"hits",\s*"misses",\s*"bytes_read"')
+    for path in list(PACKAGE.rglob("*.py")) + list((REPO / "csrc").glob("*.c")):
+        assert not listing.search(path.read_text()), f"{path} lists the counters again"
+
+
+def test_policies_are_declared_once():
+    from empanel_gguf import _native
+    from empanel_gguf.header import ENGINE_POLICIES, policy_id
+
+    names = []
+    while (name := _native.native().sidecar.empanel_policy_name(len(names))) != _native.native().ffi.NULL:
+        names.append(_native.native().ffi.string(name).decode())
+    assert tuple(names) == ENGINE_POLICIES == ("lru", "lfu-decay", "g-lru")
+    assert [policy_id(n) for n in names] == [0, 1, 2]
+    with pytest.raises(ValueError, match="one of lru, lfu-decay, g-lru"):
+        policy_id("fifo")
+
+
+def test_unknown_moe_option_is_refused(tmp_path):
+    """llama_cpp.Llama swallows unknown keywords: a misspelt moe_* option would load stock."""
+    from empanel_gguf import Llama
+
+    with pytest.raises(ValueError, match=r"unknown MoE option moe_slot: the options are moe_slots, moe_policy"):
+        Llama(str(tmp_path / "never-read.gguf"), moe_slot="25%")
+
+
+def test_moe_profile_off_means_none():
+    from empanel_gguf.plan import moe_options
+
+    for text in ("none", "off", "OFF", ""):
+        assert moe_options(moe_profile=text).profile is None
+    assert moe_options(moe_profile="auto").profile == "auto"
+
+
+def test_sidecar_of_another_build_is_refused(tmp_path):
+    """A libempanel whose version differs from the empanel.h beside it is refused at once."""
+    from empanel_gguf import _native
+    from empanel_gguf.header import SIDECAR_VERSION
+
+    lib = _native.lib_dir()
+    for path in lib.iterdir():
+        if path.name != "empanel.h":
+            (tmp_path / path.name).symlink_to(path)
+    header = (lib / "empanel.h").read_text()
+    (tmp_path / "empanel.h").write_text(header.replace(f"#define EMPANEL_SIDECAR_VERSION {SIDECAR_VERSION}",
+                                                       f"#define EMPANEL_SIDECAR_VERSION {SIDECAR_VERSION + 1}"))
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    env["EMPANEL_GGUF_LIB_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "from empanel_gguf import _native; _native.native()"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "NativeLibraryError" in proc.stderr and "different builds" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_faces_plan_once(tmp_path, monkeypatch):
+    """A face plans with plan_load and hands the plan to Llama(moe_load=...): Llama plans nothing
+    again, and its pools are the plan's."""
+    from empanel_gguf import Llama, fixtures, plan
+    from empanel_gguf.index import load_index
+
+    path = fixtures.write_fixture("qwen3moe-q8_0", tmp_path)
+    index = load_index(path)
+    load = plan.plan_load(index, "25%", {"n_ctx": 64}, options=plan.moe_options(moe_profile=None))
+    calls = []
+    real = plan.plan_load
+    monkeypatch.setattr(plan, "plan_load", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr("empanel_gguf.llama.plan_load", plan.plan_load)
+    llm = Llama(str(path), moe_load=load, n_ctx=64, verbose=False)
+    try:
+        assert calls == []
+        assert llm.moe_slots == "25%"
+        slots = {il: row["n_slots"] for il, row in llm.moe_stats()["layers"].items()}
+        assert slots == {il: n for il, n in enumerate(load.plan.n_slots) if n > 0}
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="was planned for"):
+        Llama(str(fixtures.write_fixture("mixtral", tmp_path)), moe_load=load, n_ctx=64, verbose=False)
