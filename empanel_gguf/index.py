@@ -287,7 +287,7 @@ class ModelIndex:
 
     @property
     def moe_layers(self) -> list[int]:
-        return [l.layer for l in self.layers]
+        return [layer.layer for layer in self.layers]
 
     @property
     def is_moe(self) -> bool:
@@ -296,16 +296,16 @@ class ModelIndex:
     @property
     def cold_bytes_per_token(self) -> int:
         """Bytes a token reads at 0 % cache hits: top-k experts on every MoE layer."""
-        return sum(self.n_expert_used * l.expert_bytes for l in self.layers)
+        return sum(self.n_expert_used * layer.expert_bytes for layer in self.layers)
 
     def layer(self, il: int) -> MoeLayer:
-        for l in self.layers:
-            if l.layer == il:
-                return l
+        for layer in self.layers:
+            if layer.layer == il:
+                return layer
         raise KeyError(f"layer {il} is not a MoE layer of {self.path}")
 
     def expert_tensors(self) -> list[ExpertTensor]:
-        return [t for l in self.layers for t in l.tensors.values()]
+        return [t for layer in self.layers for t in layer.tensors.values()]
 
     def to_dict(self) -> dict:
         return {
@@ -320,7 +320,7 @@ class ModelIndex:
             "expert_bytes_total": self.expert_bytes_total,
             "other_bytes_total": self.other_bytes_total,
             "cold_bytes_per_token": self.cold_bytes_per_token,
-            "layers": [l.to_dict() for l in self.layers],
+            "layers": [layer.to_dict() for layer in self.layers],
         }
 
 

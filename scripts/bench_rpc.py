@@ -133,7 +133,7 @@ class Servers:
                     break
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise SystemExit(f"ggml-rpc-server on {port} did not start")
+                        raise SystemExit(f"ggml-rpc-server on {port} did not start") from None
                     time.sleep(0.1)
 
     def cache_bytes(self):
@@ -253,7 +253,7 @@ def main():
         for row in table:
             merged.setdefault((row["config"], row["pass"]), []).append(row)
         table = []
-        for (config, n), group in merged.items():
+        for group in merged.values():
             row = dict(group[0])
             for key, value in row.items():
                 if isinstance(value, float):

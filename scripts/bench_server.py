@@ -234,7 +234,7 @@ def main():
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=1))
         return
-    print(f"\n| config | " + " | ".join(f"{n} client{'s' * (n > 1)}" for n in args.clients) + " | 4 vs 1 | peak memory |")
+    print("\n| config | " + " | ".join(f"{n} client{'s' * (n > 1)}" for n in args.clients) + " | 4 vs 1 | peak memory |")
     print("|---" * (len(args.clients) + 3) + "|")
     for r in results:
         if "levels" not in r:

@@ -100,15 +100,15 @@ def worker(mem_limit_gib: float) -> None:
         path = Path(line.strip())
         results = {}
 
-        def run_inspect():
+        def run_inspect(path=path):
             with redirect_stdout(io.StringIO()):
                 code = inspect.main([str(path)])
             if code not in (0, 1, None):
                 raise AssertionError(f"inspect exited {code}")
 
         _step("inspect", run_inspect, results)
-        _step("slots", lambda: _load_and_decode(path, "25%"), results)
-        _step("stock", lambda: _load_and_decode(path, None), results)
+        _step("slots", lambda path=path: _load_and_decode(path, "25%"), results)
+        _step("stock", lambda path=path: _load_and_decode(path, None), results)
         print(RESULT + json.dumps(results), flush=True)
 
 

@@ -974,10 +974,10 @@ def step_provenance(work: Path, cfg: Config, out: Path):
         f"token also used ({rv['uniform_prev_token_overlap']:.1%} for independent uniform routing).\n")
     add("| layer | usage entropy (val) | usage entropy (generated) | router entropy | most / least used expert | overlap with previous token |")
     add("|---|---|---|---|---|---|")
-    for l, g in zip(rv["layers"], rep["generated_usage_entropy_bits"]):
-        add(f"| {l['layer']} | {l['usage_entropy_bits']:.2f} bits | {g:.2f} bits | "
-            f"{l['router_entropy_bits']:.2f} bits | {l['max_share']:.1%} / {l['min_share']:.1%} | "
-            f"{l['prev_token_overlap']:.1%} |")
+    for layer_row, g in zip(rv["layers"], rep["generated_usage_entropy_bits"]):
+        add(f"| {layer_row['layer']} | {layer_row['usage_entropy_bits']:.2f} bits | {g:.2f} bits | "
+            f"{layer_row['router_entropy_bits']:.2f} bits | {layer_row['max_share']:.1%} / "
+            f"{layer_row['min_share']:.1%} | {layer_row['prev_token_overlap']:.1%} |")
     add("")
     rp = rep["replay"]
     add(f"**Cache replay** (`empanel_gguf.replay`): a trace (`empanel_gguf.recorder.Recorder`, every "

@@ -259,3 +259,21 @@ def test_missing_libraries_say_how_to_build(tmp_path):
     proc = run_python("import empanel_gguf", EMPANEL_GGUF_LIB_DIR=str(tmp_path))
     assert proc.returncode != 0
     assert "NativeLibraryError" in proc.stderr and "pip install ." in proc.stderr
+
+
+def test_the_package_installs_only_its_own_files():
+    """The installed package's RECORD: everything under empanel_gguf/ (its libraries, programs and
+    header included) and the metadata, besides the console script; none of llama.cpp's own
+    install rules (site-packages/lib, include, bin, cmake and pkg-config files)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("empanel-gguf")
+    except metadata.PackageNotFoundError:
+        pytest.skip("empanel-gguf is not installed (pip install .)")
+    files = [str(f) for f in dist.files or []]
+    if any(f.endswith(".pth") for f in files):
+        pytest.skip("an editable install has no libraries in its RECORD")
+    stray = [f for f in files if not f.startswith(("empanel_gguf/", "empanel_gguf-")) and "bin/empanel-gguf" not in f]
+    assert not stray, f"installed outside the package: {stray[:10]} ({len(stray)} in all)"
+    assert any(f.startswith("empanel_gguf/lib/") and "libllama" in f for f in files)

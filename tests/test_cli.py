@@ -102,6 +102,8 @@ def test_run_env_defaults_and_command_line_wins(model):
     text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
     assert "(default: 4, env: LLAMA_ARG_MOE_SLOTS)" in text, text
     assert "env: LLAMA_ARG_CTX_SIZE" in text and "env: LLAMA_ARG_N_GPU_LAYERS" in text
+    # the built-in model completes the default prompt even on a terminal; the help says so
+    assert "a MODEL given and a terminal on stdin: chat; else (the built-in model, or no terminal)" in text, text
 
 
 def test_run_builtin_model_streams_by_default(tmp_path):

@@ -239,7 +239,7 @@ def test_model_summary(models):
     # Q8_0: 34 bytes per 32 values; down [64, 256] -> 256 rows of 2 * 34 bytes
     assert l1.tensors["down"].stride == 68 * 256
     assert l1.expert_bytes == 2 * 144 * 64 + 68 * 256
-    assert index.cold_bytes_per_token == 3 * sum(l.expert_bytes for l in index.layers)
+    assert index.cold_bytes_per_token == 3 * sum(layer.expert_bytes for layer in index.layers)
     # every tensor offset is aligned to general.alignment = 64
     assert all(t.offset % 64 == 0 for t in index.expert_tensors())
     with pytest.raises(IndexError):

@@ -246,7 +246,7 @@ def test_invariants_and_belady_bound_on_random_calls(seed):
                 for probation, protected in p.layers.values():
                     assert len(probation) + len(protected) <= slots
         # every policy with as many slots as experts misses only the first use of each
-        assert run(make_policy("arc", 12), calls)[1] == len({(l, e) for l, es in calls for e in es})
+        assert run(make_policy("arc", 12), calls)[1] == len({(il, e) for il, es in calls for e in es})
 
 
 # ------------------------------------------------------------------------------------------------

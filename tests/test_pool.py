@@ -224,7 +224,7 @@ def test_glru_pools_take_only_the_budget(tmp_path):
         proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), str(slots), policy],
                               capture_output=True, text=True, timeout=300,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RSSANON")]
+        line = [text for text in proc.stdout.splitlines() if text.startswith("RSSANON")]
         assert line, proc.stderr[-2000:]
         out[policy] = [int(x) for x in line[0].split()[1:]]
     rss_glru, resident_glru = out["g-lru"]

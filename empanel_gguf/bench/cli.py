@@ -69,7 +69,7 @@ def write_json(bench: Bench, configs, rows=None, tables=None):
                   "expert_bytes_total": bench.index.expert_bytes_total,
                   "other_bytes_total": bench.index.other_bytes_total,
                   "cold_bytes_per_token": bench.index.cold_bytes_per_token,
-                  "expert_bytes": [l.expert_bytes for l in bench.index.layers]},
+                  "expert_bytes": [layer.expert_bytes for layer in bench.index.layers]},
         "params": {"n_prompt": a.n_prompt, "n_gen": a.n_gen, "repetitions": a.repetitions, "threads": a.threads,
                    "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
                    "n_ctx": a.n_ctx, "n_batch": a.n_batch, "n_ubatch": a.n_ubatch, "cap_fraction": a.cap,

@@ -194,7 +194,7 @@ def write_model(shape: ModelShape, path, log=print) -> Path:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         written, last_report = 0, time.perf_counter()
-        for i, (name, ne, kind, scale) in enumerate(plan):
+        for i, (_, ne, kind, scale) in enumerate(plan):
             data = _tensor_data(np.random.default_rng([shape.seed, i]), ne, kind, scale)
             w.write_tensor_data(data)
             written += data.nbytes

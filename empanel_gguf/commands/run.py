@@ -35,8 +35,8 @@ def setup_arg_parser():
     parser.add_argument("model", nargs="?", help="GGUF model (first shard of a split); "
                         "default: the built-in one (env: LLAMA_ARG_MODEL)")
     parser.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="the same, as an option")
-    parser.add_argument("-p", "--prompt", help="prompt to complete; without it: chat on a terminal, "
-                        f"else the prompt {DEFAULT_PROMPT!r}")
+    parser.add_argument("-p", "--prompt", help="prompt to complete; without it, a MODEL given and a terminal "
+                        f"on stdin: chat; else (the built-in model, or no terminal) the prompt {DEFAULT_PROMPT!r}")
     parser.add_argument("-sys", "--system-prompt", help="system message of a chat")
     parser.add_argument("-cnv", "--conversation", dest="conversation", action="store_const", const=True,
                         default=None, help="chat even when stdin is not a terminal (one turn per line)")
