@@ -277,3 +277,18 @@ def test_the_package_installs_only_its_own_files():
     stray = [f for f in files if not f.startswith(("empanel_gguf/", "empanel_gguf-")) and "bin/empanel-gguf" not in f]
     assert not stray, f"installed outside the package: {stray[:10]} ({len(stray)} in all)"
     assert any(f.startswith("empanel_gguf/lib/") and "libllama" in f for f in files)
+
+
+def test_readme_is_short_and_every_local_link_resolves():
+    """The README stays a front door (what, install, one example, options, commands, results,
+    limits: at most 200 lines); what is behind it lives in docs/, and no link points nowhere."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    pages = [REPO / "README.md", REPO / "patches" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to {target}, which is missing"
