@@ -89,10 +89,12 @@ def load(index, path=None, identity=None):
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DigestError(f"{path}: not a readable digest file ({e})") from None
+        raise DigestError(f"{path}: not a readable digest file ({e}); run empanel-gguf verify --force "
+                          f"{index.path} to hash the file anew") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION \
             or data.get("hash") != HASH:
-        raise DigestError(f"{path}: not an {FORMAT} file of version {VERSION} ({HASH})")
+        raise DigestError(f"{path}: not an {FORMAT} file of version {VERSION} ({HASH}); run empanel-gguf verify "
+                          f"--force {index.path} to hash the file anew")
     if data.get("model") != identity:
         raise DigestError(f"{path}: the digests of another file ({(data.get('model') or {}).get('name', '?')}); "
                           f"run empanel-gguf verify {index.path}")

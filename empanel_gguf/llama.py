@@ -104,6 +104,7 @@ class Llama(llama_cpp.Llama):
                                   moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
                                   moe_verify=moe_verify)
             moe_load = _plan(model_path, moe_slots, options, kwargs)
+            print_notices(moe_load.warnings)  # whatever verbose is: a damaged cache file is never silent
             print_notices(moe_load.notes, verbose)
         elif moe_load is not None and Path(moe_load.index.path).resolve() != Path(model_path).resolve():
             raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")

@@ -136,6 +136,7 @@ class LoadPlan:
     available: int | None        # bytes of memory available now (None: unknown)
     floor: int                   # bytes kept free
     notes: list = field(default_factory=list)  # what was decided and adjusted, for the log
+    warnings: list = field(default_factory=list)  # what went wrong but did not stop the load: always shown
     index: object = None         # the model (index.ModelIndex)
     options: MoeOptions = field(default_factory=MoeOptions)
     pools: PoolSetup | None = None  # the sidecar's pools; None: a stock load (no pool, no trace)
@@ -143,10 +144,14 @@ class LoadPlan:
     digests: dict | None = None  # moe_verify: the saved {tensor name: [n_expert] digests}, None: first reads
     preload: bool = False        # fill the empty slots right after the load
 
-    def report(self):
-        """The lines every command logs before the load: the notices, then the memory."""
-        return self.notes + [f"memory: about {format_bytes(self.estimate.host)} needed, "
-                             f"{format_bytes(self.available)} available, {format_bytes(self.floor)} kept free"]
+    def report(self, verbose=True):
+        """The lines a face logs before the load: the warnings always; with verbose the notices and
+        the memory too."""
+        if not verbose:
+            return list(self.warnings)
+        return self.warnings + self.notes + [f"memory: about {format_bytes(self.estimate.host)} needed, "
+                                             f"{format_bytes(self.available)} available, "
+                                             f"{format_bytes(self.floor)} kept free"]
 
 
 def wants_preload(plan, have_profile, moe_preload):
@@ -252,7 +257,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     if load.pools.subst:
         notes.append(f"routing substitution on (moe_subst={options.subst}): outputs are APPROXIMATE, not those of "
                      "the model fully in memory")
-    profile = _warm_start(index, options.profile, notes)
+    profile = _warm_start(index, options.profile, notes, load.warnings)
     if profile is not None:
         # counts up to the pool's size: under lfu-decay they halve away with the same clock
         load.orders = preload_orders(profile, load.pools.n_slots, index.moe_layers, seed_uses=plan.min_slots)
@@ -299,9 +304,10 @@ def _saved_digests(index, notes):
     return saved
 
 
-def _warm_start(index, moe_profile, notes):
+def _warm_start(index, moe_profile, notes, warnings):
     """The calibration profile for this load (profile.py), None without one. "auto" ignores a
-    cached profile it cannot use, with a notice; a path must fit (ValueError)."""
+    cached profile it cannot use (damaged, another file's), with a warning; a path must fit
+    (ValueError)."""
     from .profile import ProfileError, resolve
 
     try:
@@ -309,7 +315,7 @@ def _warm_start(index, moe_profile, notes):
     except ProfileError as e:
         if moe_profile != "auto":
             raise
-        notes.append(f"warm start: {e}; starting cold")
+        warnings.append(f"warm start: {e}; starting cold")
         return None
     if profile is not None:
         notes.append(f"warm start: {where} ({profile.tokens} tokens routed): each layer's most used experts "

@@ -103,3 +103,25 @@ def test_calibrate_command(tmp_path, capsys):
     assert "32 tokens" in capsys.readouterr().out
     assert load_profile(tmp_path / "c.json", load_index(path)).tokens == 32
     assert main(["calibrate", str(tmp_path / "missing.gguf")]) == 1
+
+
+def test_a_damaged_cached_profile_is_reported_and_ignored(tmp_path, capfd):
+    """moe_profile="auto" meets a cached profile that does not parse: one line on stderr whatever
+    verbose is, the load goes on cold (nothing preloaded), and `run` says it too."""
+    path = fixtures.write_fixture("qwen3moe-f32", tmp_path)
+    cached = default_path(load_index(path))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text('{"format": "empanel-gguf-profile", "version": 1, "counts": [[1, 2')  # cut short
+    capfd.readouterr()
+    llm = Llama(str(path), moe_slots=4, n_ctx=128, verbose=False)
+    try:
+        err = capfd.readouterr().err
+        lines = [line for line in err.splitlines() if "warm start" in line]
+        assert len(lines) == 1 and "not a readable profile" in lines[0] and "starting cold" in lines[0], err
+        assert llm.moe_stats()["total"]["preloaded"] == 0
+    finally:
+        llm.close()
+    from empanel_gguf.cli import main
+
+    assert main(["run", str(path), "-p", "Hello", "-n", "2", "--moe-slots", "4"]) == 0
+    assert "warm start" in capfd.readouterr().err

@@ -108,3 +108,15 @@ def test_verify_command_lists_changed_experts(model, tmp_path, capfd):
     capfd.readouterr()
     assert verify.main([str(copy), "-o", str(out)]) == 1
     assert f"CHANGED  {name} expert 3" in capfd.readouterr().out
+
+
+def test_a_damaged_digest_file_refuses_the_load_naming_verify(tmp_path, monkeypatch):
+    """Saved digests that do not parse never let a verifying load go on unchecked: ValueError,
+    saying how to make them anew."""
+    monkeypatch.setenv("EMPANEL_PROFILE_DIR", str(tmp_path / "cache"))  # this test's own cache
+    path = fixtures.write_fixture("qwen3moe-f32", tmp_path)
+    saved = digests.default_path(load_index(path))
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text("{not json")
+    with pytest.raises(ValueError, match=r"moe_verify: .*not a readable digest file.*empanel-gguf verify --force"):
+        Llama(str(path), moe_slots=4, moe_verify=True, **KW)

@@ -158,5 +158,5 @@ def _load_from_env(model_path, kwargs):
     load = plan_load(index, moe_slots, kwargs, options=moe_options(**moe), lora_paths=lora,
                      floor=parse_floor(os.environ.get("EMPANEL_MEM_FLOOR")), force=force,
                      what=f"loading {Path(model_path).name}")
-    print_notices(load.report(), kwargs.get("verbose", True))
+    print_notices(load.report(kwargs.get("verbose", True)))
     return load, None
