@@ -323,17 +323,31 @@ def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
     assert "devices: 0" in proc.stdout
 
 
-def test_damaged_cache_file_is_not_used(tmp_path):
-    """A host's cache file of another size than the slot (a short write) is refused by size, the
-    expert's bytes are sent again, and the logits stay exact."""
-    servers = RpcServers(tmp_path / "srv", caches=(True,))
+def _cut_short(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _same_size_damage(path):
+    """64 bytes in the middle changed, the size kept (a bad sector, a disk tool, a second writer)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_cut_short, _same_size_damage], ids=["short", "same-size"])
+def test_damaged_cache_file_is_not_used(tmp_path, damage):
+    """A host's cache file that does not hold the bytes of its name (cut short, or changed with its
+    size kept) is refused, on every host: the expert's bytes are sent again and cached anew, and
+    the logits stay exact."""
+    servers = RpcServers(tmp_path / "srv", caches=(True, True))
     try:
         first = _run_child(tmp_path / "a", "builtin", servers.servers)
         assert first["passes"][1]["remote_by_hash"] > 0
-        files = servers.cached_files(0)
-        assert files
-        for path in files:  # every cached expert cut short
-            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        files = servers.cached_files(0) + servers.cached_files(1)
+        assert servers.cached_files(0) and servers.cached_files(1)
+        for path in files:  # every cached expert on both hosts
+            damage(path)
         again = _run_child(tmp_path / "b", "builtin", servers.servers)
     finally:
         servers.stop()
