@@ -293,15 +293,14 @@ EMPANEL_API void    empanel_load_close(struct empanel_load * load);
 // llama.cpp's programs (llama-server, llama-cli, llama-bench, llama-perplexity): `empanel-gguf
 // llama-server ...` writes the plan to a file and runs the program with EMPANEL_PLAN=<that file>;
 // libllama's program hook loads this library (the one next to it, or EMPANEL_SIDECAR) and calls
-// these around each model load: the steps above, with the notices on stderr.
+// these around each model load (and empanel_load_pool, empanel_load_close): the steps above, with
+// the notices on stderr.
 // open: empanel_load_open of the file, then empanel_load_begin
 EMPANEL_API struct empanel_load * empanel_program_open(const char * plan_path, const char * model_path,
                                                        char * err, size_t err_size);
 // loaded: empanel_load_bind, then empanel_load_preload (reported on stderr). 0, or -1 (err)
 EMPANEL_API int32_t empanel_program_loaded(struct empanel_load * load, const struct llama_model * model,
                                            char * err, size_t err_size);
-EMPANEL_API struct empanel_pool * empanel_program_pool(struct empanel_load * load);
-EMPANEL_API void    empanel_program_close(struct empanel_load * load);
 
 // Prometheus text (format 0.0.4) of every open load's pools into buf [size] (NUL-terminated,
 // truncated if it does not fit); returns the length of the whole text

@@ -12,8 +12,9 @@
 // `empanel-gguf llama-server ...` plans in Python as for Llama (plan.py), writes the plan to a
 // file and runs the program with EMPANEL_PLAN=<that file>. At each load of the model the plan
 // names, libllama's program hook (llama-empanel-program.cpp) loads this library (the libempanel
-// next to that libllama, or EMPANEL_SIDECAR) and calls empanel_program_open before the load and
-// empanel_program_loaded after it: the steps above, with no Python in the program. Every open
+// next to that libllama, or EMPANEL_SIDECAR) and calls empanel_program_open before the load,
+// empanel_program_loaded after it (the steps above, with the notices on stderr), and
+// empanel_load_pool / empanel_load_close: no Python in the program. Every open
 // load is listed for llama-server's /metrics (empanel_program_metrics).
 //
 // The plan's records: plan_file.c.
@@ -248,14 +249,6 @@ int32_t empanel_program_loaded(struct empanel_load * load, const struct llama_mo
                 empanel_pool_resident_bytes(load->pool) / 1048576.0, (empanel_now_ns() - t0) / 1e9);
     }
     return 0;
-}
-
-struct empanel_pool * empanel_program_pool(struct empanel_load * load) {
-    return load->pool;
-}
-
-void empanel_program_close(struct empanel_load * load) {
-    empanel_load_close(load);
 }
 
 // -- Prometheus text of the open loads (llama-server's /metrics) -------------------------------

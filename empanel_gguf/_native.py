@@ -10,23 +10,16 @@ import ctypes
 import os
 import re
 import sys
-from pathlib import Path
 
 from . import _pins
-from .header import HEADER_TEXT, SIDECAR_VERSION, header_path, parse_counters, parse_policies
+from .header import HEADER_TEXT, SIDECAR_VERSION, header_path, lib_dir, parse_counters, parse_policies
 
-PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
 
 _sidecar = None  # Native, once opened
 
 
 class NativeLibraryError(ImportError):
     """Our native libraries are missing, foreign, or from another build."""
-
-
-def lib_dir():
-    """Where our libllama, libggml* and libempanel live: EMPANEL_GGUF_LIB_DIR, else the package."""
-    return Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_LIB_DIR)
 
 
 def _shared_lib_name(stem):
@@ -150,16 +143,9 @@ def _cdef_from_header(text):
 
 # the parts of libllama's C API (llama.h, llama-empanel.h) that the sidecar is wired up with
 _LLAMA_CDEF = """
-typedef int32_t (*llama_empanel_remap_fn)(void *, int32_t, const void *, int32_t, int32_t, const int32_t *, int64_t, int32_t *, int32_t, int32_t);
-void    llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empanel_remap_fn remap, void * user);
-typedef int32_t (*llama_empanel_guess_fn)(void *, int32_t, int32_t, const int32_t *, int64_t, int32_t, int32_t);
-void    llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth);
-typedef int32_t (*llama_empanel_subst_fn)(void *, int32_t, int32_t *, int64_t, int32_t, const int32_t *, int64_t, int32_t, const float *, int64_t, int32_t);
-void    llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt);
 void    llama_empanel_clear_plan(void);
 int32_t llama_empanel_n_pools(const void * model);
 void *  llama_empanel_pool(const void * model, const char * name);
-_Bool   llama_empanel_pool_masked(const void * pool);
 void    llama_set_abort_callback(void * ctx, _Bool (*abort_callback)(void *), void * data);
 """
 

@@ -51,10 +51,11 @@ class Shape:
 
 
 def model_shape(index) -> Shape:
-    """Read the dimensions from the GGUF header of `index.path` (headers only, no tensor data)."""
+    """The dimensions, from the header metadata the index kept (else read from `index.path`'s
+    GGUF header; headers only, no tensor data)."""
     from .index import _read_header
 
-    meta = _read_header(Path(index.path)).metadata
+    meta = index.metadata or _read_header(Path(index.path)).metadata
     arch = index.architecture
 
     def get(key, default=0):

@@ -39,10 +39,15 @@ class Counter:
         return raw / 1e9 if self.field.endswith("_ns") else raw
 
 
+def lib_dir():
+    """Where our libllama, libggml*, libempanel and empanel.h live: EMPANEL_GGUF_LIB_DIR, else the
+    package's lib/ (_native loads the libraries from here)."""
+    return Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_DIR / "lib")
+
+
 def header_path():
-    """empanel.h as installed next to the libraries (EMPANEL_GGUF_LIB_DIR or the package's lib/),
-    else the source tree's."""
-    lib = Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_DIR / "lib")
+    """empanel.h as installed next to the libraries (lib_dir()), else the source tree's."""
+    lib = lib_dir()
     for path in (lib / "empanel.h", SOURCE_HEADER):
         if path.exists():
             return path

@@ -284,6 +284,9 @@ class ModelIndex:
     layers: list[MoeLayer] = field(default_factory=list)  # MoE layers only, ascending
     expert_bytes_total: int = 0  # bytes of all routed expert tensors
     other_bytes_total: int = 0  # bytes of every other tensor (resident weights)
+    # the first shard's metadata as the header reader keeps it (arrays as their length), so that
+    # the estimate (estimate.model_shape) does not read the header a second time
+    metadata: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -428,7 +431,7 @@ def load_index(path: os.PathLike | str) -> ModelIndex:
         raise ModelError(first.path, f"{arch}.expert_used_count is {n_expert_used} with {n_expert} experts; "
                          "the model is inconsistent, re-convert it")
     return ModelIndex(first.path, shards, arch, n_layer, n_expert, n_expert_used, layers,
-                      expert_bytes, other_bytes)
+                      expert_bytes, other_bytes, first.metadata)
 
 
 def _check_layer(path: Path, il: int, tensors: dict[str, ExpertTensor]) -> MoeLayer:

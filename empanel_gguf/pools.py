@@ -24,12 +24,9 @@ class ExpertPools:
     def __init__(self, load):
         self.index = load.index
         self.plan = load.plan
-        self.preload_wanted = load.preload
         self.n = native()
         ffi = self.n.ffi
-        setup = load.pools
-        self.subst = setup.subst
-        self.n_slots = list(setup.n_slots)
+        self.n_slots = list(load.pools.n_slots)
         self.n_masked = 0  # pools whose waves are masked (a GPU kernel may compute on them): bind()
         self.load = self.pool = None
         err = ffi.new("char[]", 512)

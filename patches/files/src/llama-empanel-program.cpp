@@ -67,8 +67,8 @@ const llama_empanel_sidecar * sidecar(std::string & err) {
         struct { const char * name; void ** fn; } syms[] = {
             { "empanel_program_open",     (void **) &api.open        },
             { "empanel_program_loaded",   (void **) &api.loaded      },
-            { "empanel_program_pool",     (void **) &api.pool        },
-            { "empanel_program_close",    (void **) &api.close       },
+            { "empanel_load_pool",        (void **) &api.pool        },
+            { "empanel_load_close",       (void **) &api.close       },
             { "empanel_program_metrics",  (void **) &api.metrics     },
             { "empanel_pool_failed",      (void **) &api.failed      },
             { "empanel_pool_error",       (void **) &api.error       },
