@@ -328,15 +328,17 @@ EMPANEL_API struct empanel_pool * empanel_lab_init(
         char           * err,
         size_t           err_size);
 
-// one remap call of layer il over n_experts expert ids (one micro-batch's, any order and
-// repeats): slot_ids [n_experts] gets each one's slot. Returns the distinct experts that missed
-// (and were "loaded"), or -1 (the reason in empanel_pool_error; empanel_pool_clear_error goes on).
+// one remap call of layer il over a micro-batch's expert ids, expert_ids [n_tokens, n_used] (any
+// order and repeats), as the engine makes it: distinct experts beyond the layer's slots run in
+// waves, as a wave graph runs them (remap.c, plan_waves). Returns the distinct experts that
+// missed (and were "loaded"), or -1 (the reason in empanel_pool_error; empanel_pool_clear_error
+// goes on).
 EMPANEL_API int32_t empanel_lab_access(
         struct empanel_pool * pool,
         int32_t               il,
-        const int32_t       * experts,
-        int32_t               n_experts,
-        int32_t             * slot_ids);
+        const int32_t       * expert_ids,
+        int32_t               n_used,
+        int32_t               n_tokens);
 
 #ifdef __cplusplus
 }

@@ -595,19 +595,27 @@ void empanel_pool_clear_error(struct empanel_pool * pool) {
     pthread_mutex_unlock(&pool->lock);
 }
 
-int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t * experts, int32_t n_experts,
-                           int32_t * slot_ids) {
+int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids, int32_t n_used,
+                           int32_t n_tokens) {
     pthread_mutex_lock(&pool->lock);
     int32_t rc = -1;
+    struct empanel_layer * layer = pool->lab ? remap_layer(pool, il) : NULL;
     if (!pool->lab) {
         empanel_set_error(pool, "empanel_lab_access: not a lab pool (empanel_lab_init)");
-    } else {
-        // one token routed to n_experts experts: the same distinct experts in the same order
-        const uint64_t misses = il >= 0 && il < pool->n_layer ? pool->layers[il].stats.misses : 0;
-        rc = remap_locked(pool, il, experts, n_experts, slot_ids, n_experts, 1);
-        rc = rc == 0 ? (int32_t) (pool->layers[il].stats.misses - misses) : -1;
+    } else if (layer != NULL) {
+        // the engine's call: one remap when the distinct experts fit, else the waves a wave
+        // graph runs (a lab has no graph: as many waves as the plan needs)
+        const uint64_t misses = layer->stats.misses;
+        const uint64_t call   = ++pool->call;
+        const int32_t  n      = collect_distinct(pool, layer, il, call, expert_ids, n_used, n_used, n_tokens);
+        const int      fits   = n <= layer->n_slots;
+        if (n >= 0 && (fits ? resolve_one_wave(pool, layer, il, call, n)
+                            : plan_waves(pool, layer, il, call, n, INT32_MAX, expert_ids, n_used, n_used, n_tokens)) == 0) {
+            empanel_guess_close(layer, n, call);
+            end_batch(pool, layer, fits ? 1 : layer->plan_waves);
+            rc = (int32_t) (layer->stats.misses - misses);
+        }
     }
     pthread_mutex_unlock(&pool->lock);
     return rc;
 }
-

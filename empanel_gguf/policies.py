@@ -7,8 +7,10 @@ One interface: an engine call is one micro-batch of one MoE layer, and
 takes the distinct experts the call routes to, in order of first use. As in the engine
 (csrc/remap.c, remap_locked) each distinct expert counts once per call: a hit if it is resident,
 else a miss that is loaded; the experts of the current call are never evicted for each other, so
-a call may need at most `capacity` distinct experts (CapacityError otherwise; replay.py splits
-such calls as the engine's n_ubatch cap would). Sizes are slots per layer.
+a lab policy's call may need at most `capacity` distinct experts (CapacityError otherwise;
+replay.py splits such calls). The engine's policies take a larger call as the engine does, in
+waves (`access_batch(layer, rows)` with the call's tokens, as remap.c plans them). Sizes are
+slots per layer.
 
 The engine's policies run in the engine's own code: each call is a remap of a sidecar pool that
 reads nothing (pools.LabPool over empanel_lab_init), so a replay reproduces the engine's hit and
@@ -103,10 +105,13 @@ class _EnginePolicy(Policy):
         return lab, 0
 
     def access(self, layer, experts):
-        experts = self._distinct(experts)
-        self._check(layer, experts)
         lab, il = self.lab(layer)
-        return lab.access(il, experts)
+        return lab.access(il, self._distinct(experts))
+
+    def access_batch(self, layer, rows):
+        """One call over a micro-batch's expert ids, rows [n_tokens][n_used], waves included."""
+        lab, il = self.lab(layer)
+        return lab.access_batch(il, rows)
 
     def guess(self, layer, experts):
         """The gate-ahead guess the engine had for the layer's next call: evicted last."""

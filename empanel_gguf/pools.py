@@ -6,6 +6,8 @@
                   over routing calls, for the policy lab (policies.py, replay.py)
 """
 
+import numpy as np
+
 from . import _native
 from ._native import native
 from .header import COUNTERS, policy_id
@@ -144,18 +146,24 @@ class LabPool:
             raise ValueError(f"empanel lab: {ffi.string(err).decode()}")
         self.pool = ffi.gc(pool, self.n.sidecar.empanel_pool_free)
         self._ids = ffi.new("int32_t[]", max(1, n_expert))
-        self._out = ffi.new("int32_t[]", max(1, n_expert))
         self.n_expert = n_expert
 
     def access(self, layer, experts):
-        """One remap call of `layer` over distinct expert ids (at most n_expert): (hits, misses).
-        Raises ValueError when the call needs more slots than the layer has (the engine would run
-        it in waves) or an id is out of range."""
-        n = len(experts)
-        if n > self.n_expert:
-            raise ValueError(f"empanel lab: {n} expert ids in one call, the model has {self.n_expert} experts")
-        self._ids[0:n] = experts
-        misses = self.n.sidecar.empanel_lab_access(self.pool, layer, self._ids, n, self._out)
+        """One remap call of `layer` over distinct expert ids, as one token routed to all of them:
+        (hits, misses). Raises ValueError when an id is out of range."""
+        return self.access_batch(layer, [list(experts)])
+
+    def access_batch(self, layer, rows):
+        """One remap call of `layer` over a micro-batch, rows [n_tokens][n_used] of expert ids, as
+        the engine makes it (waves where its distinct experts exceed the slots): (hits, misses)
+        over its distinct experts."""
+        ids = np.ascontiguousarray(rows, dtype=np.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"empanel lab: expert ids of shape {ids.shape}, expected [n_tokens, n_used]")
+        n_tokens, n_used = ids.shape
+        n = len(np.unique(ids)) if ids.size else 0
+        misses = self.n.sidecar.empanel_lab_access(self.pool, layer, self.n.ffi.from_buffer("int32_t[]", ids),
+                                                   n_used, n_tokens)
         if misses < 0:
             message = self.n.ffi.string(self.n.sidecar.empanel_pool_error(self.pool)).decode()
             self.n.sidecar.empanel_pool_clear_error(self.pool)

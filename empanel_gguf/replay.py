@@ -6,12 +6,14 @@
 
 Calls. The engine makes one remap call per micro-batch and MoE layer; the replay makes the same
 calls: the trace's micro-batches as recorded (meta ubatch/calls), each layer's call with the
-distinct experts its tokens route to, in order of first use. The lab models calls that fit a
-pool: a recorded micro-batch longer than max(1, capacity // top-k) tokens at the replayed size
-(one the engine runs in waves) is split into micro-batches of that size; `ubatch=N` caps
-micro-batches at N tokens as well. Replaying the
-engine's own policy at the size the trace was recorded with therefore makes exactly the engine's
-calls, and reproduces its hit and miss counts.
+distinct experts its tokens route to, in order of first use. The engine's policies (lru,
+lfu-decay, g-lru) take each call as the engine does: one that routes to more distinct experts
+than the pool holds runs in waves, planned by the engine's own code (policies.access_batch).
+Replaying the engine's own policy at the size the trace was recorded with therefore makes exactly
+the engine's calls, and reproduces its hit and miss counts. The lab's own policies model calls
+that fit a pool: a recorded micro-batch longer than max(1, capacity // top-k) tokens at the
+replayed size is split into micro-batches of that size. `ubatch=N` caps every policy's
+micro-batches at N tokens.
 
 Counting. Prompt tokens warm the cache; the calls of decode micro-batches are counted (count=
 "all" counts every call, as the engine's own statistics do). Per policy and size:
@@ -40,6 +42,7 @@ class Call:
     experts: list     # distinct expert ids, in order of first use
     counted: bool     # a decode micro-batch's call (counted), else warm-up
     guess: list | None = None  # the engine's gate-ahead guess for the call (trace version 2), if any
+    rows: object = None  # [n_tokens, k] the call's expert ids per token (None: no tokens)
 
 
 
@@ -69,7 +72,8 @@ def build_calls(trace, max_tokens=None, count="decode"):
                 if trace.guesses is not None and lo < b and step == size:  # as recorded: the engine's call
                     named = [e for e in trace.guesses[lo:b, j].reshape(-1).tolist() if e >= 0]
                     guessed = list(dict.fromkeys(named)) or None
-                calls.append(Call(layer, list(dict.fromkeys(e for e in ids if e >= 0)), counted, guessed))
+                calls.append(Call(layer, list(dict.fromkeys(e for e in ids if e >= 0)), counted, guessed,
+                                  experts[lo:b, j] if lo < b else None))
         t0 += size
     return calls, n_split
 
@@ -85,7 +89,10 @@ def run_policy(policy, calls, expert_bytes):
     for c in calls:
         if c.guess is not None and hasattr(policy, "guess"):  # engine policies order eviction by it
             policy.guess(c.layer, c.guess)
-        hits, misses = policy.access(c.layer, c.experts)
+        if c.rows is not None and hasattr(policy, "access_batch"):  # the engine's call, waves included
+            hits, misses = policy.access_batch(c.layer, c.rows)
+        else:
+            hits, misses = policy.access(c.layer, c.experts)
         side = counted if c.counted else warm
         side["hits"] += hits
         side["misses"] += misses
@@ -158,9 +165,11 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
     for name in policies:
         for slots in sizes:
             capacity = pool_slots(name, slots, trace.n_expert, k)
-            max_tokens = max(1, capacity // k)
+            # the engine's policies run a call larger than the pool in waves, as the engine
+            # does; the lab's own policies take calls that fit: larger ones are split
+            max_tokens = None if name in ENGINE_POLICIES else max(1, capacity // k)
             if ubatch:
-                max_tokens = min(max_tokens, ubatch)
+                max_tokens = min(max_tokens or ubatch, ubatch)
             if max_tokens not in cache:
                 cache[max_tokens] = build_calls(trace, max_tokens, count)
             calls, n_split = cache[max_tokens]
@@ -182,7 +191,7 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
                 n_calls=len(calls), n_split_ubatches=n_split))
     return dict(summary=summarize(trace), count=count, counted_tokens=n_counted, gbps=gbps,
                 sizes=sizes, policies=policies, notes=notes, results=results,
-                engine_check=engine_check(trace, results))
+                engine_check=engine_check(trace, results, ubatch))
 
 
 def _rate(hits, misses):
@@ -199,20 +208,18 @@ def summarize(trace):
                 expert_bytes=meta.get("expert_bytes"))
 
 
-def engine_check(trace, results):
+def engine_check(trace, results, ubatch=None):
     """The engine's live counts against the replay of its own policy at its own size over every
-    call, when the trace holds them and was recorded from freshly loaded pools; else None."""
+    call, when the trace holds them, was recorded from freshly loaded pools and is replayed in its
+    own micro-batches; else None."""
     meta = trace.meta
     rec = meta.get("recorded_with") or {}
     stats = meta.get("engine_stats")
     if (not stats or not meta.get("engine_stats_from_load")
             or rec.get("moe_policy") not in ENGINE_POLICIES or rec.get("moe_prefetch")):
         return None  # read-ahead makes hits of misses: a replay of the policy alone differs
-    # micro-batches that did not fit the pools ran in waves, which the replay models as split
-    # micro-batches: same reads, another state afterwards, so the counts are not comparable
-    capacity = pool_slots(rec["moe_policy"], rec.get("slots") or 0, meta["n_expert"], meta["n_expert_used"])
-    if len(trace.ubatch) and int(trace.ubatch.max()) * meta["n_expert_used"] > capacity:
-        return None
+    if ubatch and len(trace.ubatch) and int(trace.ubatch.max()) > ubatch:
+        return None  # replayed in smaller micro-batches than the engine ran
     for r in results:
         if r["policy"] == rec["moe_policy"] and r["slots"] == rec.get("slots"):
             live = (stats["hits"], stats["misses"])
@@ -256,7 +263,8 @@ def format_report(report, path=None):
     split = {r["n_split_ubatches"] for r in report["results"] if r["n_split_ubatches"]}
     if split:
         lines.append("some recorded micro-batches routed to more experts than a pool holds at a "
-                     "replayed size: the engine runs them in waves, the replay splits them")
+                     "replayed size: the engine's policies run them in waves, as the engine does; "
+                     "the lab's own policies (lfu, slru, arc, belady) split them")
     check = report.get("engine_check")
     if check:
         verdict = "match" if check["match"] else "DIFFER"

@@ -70,11 +70,24 @@ def test_layers_are_independent_per_layer():
     assert run(p, [(0, [0]), (1, [0]), (0, [0]), (1, [0])]) == (2, 2)
 
 
-def test_a_call_needing_more_than_the_slots_is_refused():
-    for name in ("lru", "lfu", "lfu-decay", "slru", "arc", "belady"):
+def test_a_call_needing_more_than_the_slots_is_refused_by_the_lab_policies():
+    for name in ("lfu", "slru", "arc", "belady"):
         p = make_policy(name, 2)
         with pytest.raises(CapacityError):
             run(p, [[0, 1, 2]])
+
+
+def test_the_engine_policies_run_a_larger_call_in_waves():
+    # 4 slots, one token routed to 6 experts: the engine's wave plan, all 6 read once; the last
+    # two waves (two halves of 2 slots) stay resident
+    for name in ("lru", "lfu-decay"):
+        p = make_policy(name, 4)
+        assert p.access_batch(0, [[0, 1, 2, 3, 4, 5]]) == (0, 6)
+        assert len(p.resident(0)) == 4 and p.resident(0) <= set(range(6))
+        # a token's experts in its own rows: the later tokens' experts stay (last use)
+        p = make_policy(name, 4)
+        assert p.access_batch(0, [[0, 1], [2, 3], [4, 5]]) == (0, 6)
+        assert p.resident(0) == {2, 3, 4, 5}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,8 +300,9 @@ def test_build_calls_follows_the_recorded_micro_batches():
 
 
 def test_replay_counts_decode_and_prices_misses():
-    # LRU, 2 slots per layer, top-1 (micro-batches of 2 tokens at most: the prompt one splits).
-    # layer 1: [0,1] m m, [2] m (evicts 0) | decode: [0] m (evicts 1), [3] m (evicts 2), [0] hit
+    # LRU, 2 slots per layer, top-1: the prompt micro-batch runs in waves of one slot, as the
+    # engine runs it (0, 1, then 2 in 0's slot).
+    # layer 1: [0,1,2] m m m (2 evicts 0) | decode: [0] m (evicts 1), [3] m (evicts 2), [0] hit
     # layer 3: [0] m | decode: [0] hit, [1] m, [0] hit
     # decode: 3 hits, 3 misses -> 50 %; missed bytes 2 x 100 + 1 x 300 = 500 over 3 decode tokens
     report = replay(hand_trace(), sizes=[2], policies=["lru"], gbps=1.0)
@@ -297,7 +311,10 @@ def test_replay_counts_decode_and_prices_misses():
     assert r["hit_rate"] == 0.5
     assert r["missed_bytes_per_token"] == pytest.approx(500 / 3)
     assert r["ceiling_tok_s"] == pytest.approx(1e9 / (500 / 3))
-    assert r["n_split_ubatches"] == 1
+    assert r["n_split_ubatches"] == 0
+    # a lab policy splits it instead (micro-batches of 2 tokens at most): the same counts here
+    lfu = replay(hand_trace(), sizes=[2], policies=["lfu"])["results"][0]
+    assert lfu["n_split_ubatches"] == 1 and (lfu["warm_hits"], lfu["warm_misses"]) == (0, 4)
     # with every expert resident after warm-up, decode still misses expert 3 of layer 1 and 1 of 3
     full = replay(hand_trace(), sizes=[4], policies=["belady"])["results"][0]
     assert (full["hits"], full["misses"]) == (4, 2)

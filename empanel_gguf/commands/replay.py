@@ -10,8 +10,9 @@ is checked against the engine's live counts.
 
 Sizes are slots per MoE layer, as Llama's moe_slots: counts (8,16), shares of the experts
 (10%,25%), budgets (2GiB), or `recorded`; g-lru takes each as its shared-budget equivalent.
-Micro-batches are replayed as recorded (split where the engine's cap at a size would split them;
---ubatch N caps them further). --plot writes a PNG of hit rate vs size (needs matplotlib).
+Micro-batches are replayed as recorded: the engine's policies run one larger than a pool in
+waves, as the engine does; the lab's own policies split it into calls that fit. --ubatch N caps
+every micro-batch at N tokens. --plot writes a PNG of hit rate vs size (needs matplotlib).
 """
 
 from __future__ import annotations
