@@ -243,6 +243,13 @@ EMPANEL_API int32_t empanel_rpc_supported(void);
 // the number of devices newly registered (an endpoint registered before counts 0), or -1 with
 // the reason in err.
 EMPANEL_API int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size);
+// every RPC server registered in this process is usable (llama.cpp offers each one's devices to
+// every load): its connection open and sound, or none open and the server answering. 0, or -1
+// with the reason in err. empanel_rpc_add_servers checks this too.
+EMPANEL_API int32_t empanel_rpc_check_servers(char * err, size_t err_size);
+// the registered RPC servers whose connection failed (lost, or a wait timed out:
+// EMPANEL_RPC_WAIT_TIMEOUT), comma-separated into endpoints [size]; their number
+EMPANEL_API int32_t empanel_rpc_lost(char * endpoints, size_t size);
 // bytes this process sent to and received from RPC servers so far, and the commands it waited
 // for an answer to (round trips: each costs the network's latency); 0 without RPC
 EMPANEL_API void    empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received, uint64_t * round_trips);

@@ -46,6 +46,7 @@ typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint6
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
 typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
 typedef void     (*rpc_hello_sizes_fn)(size_t * request, size_t * response);
+typedef int      (*rpc_endpoint_state_fn)(const char * endpoint);
 
 struct rpc_fns {
     int                found;
@@ -55,6 +56,7 @@ struct rpc_fns {
     rpc_set_cached_fn  set_cached;
     rpc_wire_bytes_fn  wire_bytes;
     rpc_hello_sizes_fn hello_sizes;
+    rpc_endpoint_state_fn endpoint_state;
 };
 
 static struct rpc_fns  g_rpc;
@@ -71,8 +73,9 @@ static void rpc_find(void) {
     g_rpc.set_cached  = (rpc_set_cached_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_cached");
     g_rpc.wire_bytes  = (rpc_wire_bytes_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_wire_bytes");
     g_rpc.hello_sizes = (rpc_hello_sizes_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_hello_sizes");
+    g_rpc.endpoint_state = (rpc_endpoint_state_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_endpoint_state");
     g_rpc.found = g_rpc.hash != NULL && g_rpc.set_by_hash != NULL && g_rpc.set_cached != NULL && g_rpc.wire_bytes != NULL &&
-                  g_rpc.hello_sizes != NULL;
+                  g_rpc.hello_sizes != NULL && g_rpc.endpoint_state != NULL;
 }
 
 static const struct rpc_fns * rpc(void) {
@@ -239,11 +242,83 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
 
 typedef ggml_backend_reg_t (*rpc_add_server_fn)(const char * endpoint);
 
-int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size) {
-    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    static char ** added   = NULL;  // endpoints registered so far (ggml_backend_register once each)
-    static int32_t n_added = 0;
+static pthread_mutex_t g_added_lock = PTHREAD_MUTEX_INITIALIZER;
+static char **         g_added      = NULL; // endpoints registered so far (ggml_backend_register once each)
+static int32_t         g_added_n    = 0;
 
+// probe an endpoint "HOST:PORT" (a copy is cut at its last colon)
+static int probe_endpoint(const char * endpoint, char * err, size_t err_size) {
+    char copy[512];
+    snprintf(copy, sizeof(copy), "%s", endpoint);
+    char * colon = strrchr(copy, ':');
+    if (colon == NULL) {
+        empanel_format_err(err, err_size, "RPC server '%s': expected HOST:PORT", endpoint);
+        return -1;
+    }
+    *colon = '\0';
+    return probe(copy, colon + 1, err, err_size);
+}
+
+// llama.cpp offers the devices of every registered server to every load of the process, and
+// ggml-rpc aborts a process that cannot connect to one: each is usable (its connection open and
+// sound, or none open and the server answering), else an error that names it. Called locked.
+static int check_registered(char * err, size_t err_size) {
+    for (int32_t i = 0; i < g_added_n; i++) {
+        const int state = rpc()->endpoint_state(g_added[i]);
+        if (state == 2) {
+            empanel_format_err(err, err_size, "RPC server %s: its connection was lost during an earlier run, and "
+                               "what used it (a Llama) is still open: close it, then load again", g_added[i]);
+            return -1;
+        }
+        if (state == 0 && probe_endpoint(g_added[i], err, err_size) != 0) {
+            const size_t n = strlen(err);
+            if (n + 1 < err_size) {
+                snprintf(err + n, err_size - n, " (registered by an earlier load of this process: llama.cpp offers "
+                         "its devices to every load; start it again there, or run in a new process)");
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int32_t empanel_rpc_check_servers(char * err, size_t err_size) {
+    if (err != NULL && err_size > 0) {
+        err[0] = '\0';
+    }
+    if (rpc()->reg == NULL || !rpc()->found) {
+        return 0;
+    }
+    pthread_mutex_lock(&g_added_lock);
+    const int status = check_registered(err, err_size);
+    pthread_mutex_unlock(&g_added_lock);
+    return status;
+}
+
+int32_t empanel_rpc_lost(char * endpoints, size_t size) {
+    int32_t n = 0;
+    size_t  used = 0;
+    if (endpoints != NULL && size > 0) {
+        endpoints[0] = '\0';
+    }
+    if (rpc()->reg == NULL || !rpc()->found) {
+        return 0;
+    }
+    pthread_mutex_lock(&g_added_lock);
+    for (int32_t i = 0; i < g_added_n; i++) {
+        if (rpc()->endpoint_state(g_added[i]) != 2) {
+            continue;
+        }
+        if (endpoints != NULL && used < size) {
+            used += (size_t) snprintf(endpoints + used, size - used, "%s%s", n > 0 ? "," : "", g_added[i]);
+        }
+        n++;
+    }
+    pthread_mutex_unlock(&g_added_lock);
+    return n;
+}
+
+int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size) {
     if (err != NULL && err_size > 0) {
         err[0] = '\0';
     }
@@ -270,8 +345,9 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
     int     status      = 0;
     int     n_endpoints = 0;
     int     n_todo      = 0;
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&g_added_lock);
     // every server is checked before any is registered: a failure leaves none of this list behind
+    status = check_registered(err, err_size);
     char * save = NULL;
     for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL && status == 0;
          endpoint = strtok_r(NULL, ",", &save)) {
@@ -286,8 +362,8 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
             break;
         }
         int seen = 0;
-        for (int32_t i = 0; i < n_added; i++) {
-            seen |= strcmp(added[i], endpoint) == 0;
+        for (int32_t i = 0; i < g_added_n; i++) {
+            seen |= strcmp(g_added[i], endpoint) == 0;
         }
         for (int i = 0; i < n_todo; i++) {
             seen |= strcmp(todo[i], endpoint) == 0;
@@ -309,17 +385,17 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
         }
         ggml_backend_register(reg);
         n_devices += (int32_t) ggml_backend_reg_dev_count(reg);
-        char ** grown = realloc(added, sizeof(char *) * (n_added + 1));
-        if (grown == NULL || (grown[n_added] = strdup(todo[i])) == NULL) {
-            added = grown != NULL ? grown : added;
+        char ** grown = realloc(g_added, sizeof(char *) * (g_added_n + 1));
+        if (grown == NULL || (grown[g_added_n] = strdup(todo[i])) == NULL) {
+            g_added = grown != NULL ? grown : g_added;
             empanel_format_err(err, err_size, "empanel: out of memory");
             status = -1;
             break;
         }
-        added = grown;
-        n_added++;
+        g_added = grown;
+        g_added_n++;
     }
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&g_added_lock);
     free(todo);
     free(list);
     if (status == 0 && n_endpoints == 0) {

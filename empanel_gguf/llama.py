@@ -18,7 +18,7 @@ from .format import format_bytes
 from .index import ModelError, load_index
 from .plan import moe_options, plan_load, print_notices
 from .pools import ExpertPools, MoeReadError
-from .rpc import offload_devices
+from .rpc import lost_error, lost_servers, offload_devices
 from .rpc import use_servers as use_rpc_servers
 from .rpc import wire_counts as rpc_wire_counts
 from .sizing import DEFAULT_POLICY
@@ -114,6 +114,8 @@ class Llama(llama_cpp.Llama):
         self.moe_prefetch = moe_load.options.prefetch if self.moe_slots is not None else 0
         if moe_load is None or moe_load.pools is None:
             self._load_llama(model_path, args, kwargs)
+            if self.rpc_servers:
+                self._wrap_decode()
             return
 
         experts = ExpertPools(moe_load)
@@ -169,24 +171,35 @@ class Llama(llama_cpp.Llama):
         return self._experts.take_trace()
 
     def _wrap_decode(self):
-        """Make a failed expert read surface as MoeReadError from every decode path."""
+        """Make a failed expert read surface as MoeReadError, and a lost RPC host as RpcError,
+        from every decode path."""
         ctx = self._ctx
         decode = ctx.decode
         experts = self._experts
+        hosts = bool(self.rpc_servers)
+
+        def failure():
+            """Why the decode's outputs are not the model's, as the exception to raise; else None."""
+            lost = lost_servers() if hosts else []
+            if lost:  # first: a lost host fails the expert writes too
+                return lost_error(lost)
+            if experts is not None and experts.failed():
+                message = experts.error()
+                experts.clear_error()
+                return MoeReadError(message)
+            return None
 
         def decode_checked(batch):
             try:
                 result = decode(batch)
             except RuntimeError as e:
-                if experts.failed():
-                    message = experts.error()
-                    experts.clear_error()
-                    raise MoeReadError(message) from e
+                error = failure()
+                if error is not None:
+                    raise error from e
                 raise
-            if experts.failed():  # failed without llama_decode noticing: never return its output
-                message = experts.error()
-                experts.clear_error()
-                raise MoeReadError(message)
+            error = failure()  # failed without llama_decode noticing: never return its output
+            if error is not None:
+                raise error
             return result
 
         ctx.decode = decode_checked

@@ -14,7 +14,8 @@ from ._native import native
 
 
 class RpcError(RuntimeError):
-    """An RPC server cannot be used (unreachable, no devices, a build without RPC)."""
+    """An RPC server cannot be used (unreachable, no devices, a build without RPC), or one was lost
+    during a decode (nothing of that decode was returned)."""
 
 
 def supported():
@@ -46,11 +47,42 @@ def add_servers(servers):
     return endpoints
 
 
+def check_servers():
+    """Every RPC server registered in this process is usable (llama.cpp offers each one's devices
+    to every load, and ggml-rpc aborts a process that cannot connect): RpcError naming one that
+    is not."""
+    n = native()
+    if not n.sidecar.empanel_rpc_supported():
+        return
+    err = n.ffi.new("char[1024]")
+    if n.sidecar.empanel_rpc_check_servers(err, len(err)) != 0:
+        raise RpcError(n.ffi.string(err).decode(errors="replace"))
+
+
+def lost_servers():
+    """The registered RPC servers whose connection failed in this process (the host died, or a
+    wait for it passed EMPANEL_RPC_WAIT_TIMEOUT seconds): a list of endpoints."""
+    n = native()
+    out = n.ffi.new("char[4096]")
+    if n.sidecar.empanel_rpc_lost(out, len(out)) <= 0:
+        return []
+    return n.ffi.string(out).decode(errors="replace").split(",")
+
+
+def lost_error(endpoints):
+    """The RpcError of a decode that needed lost servers."""
+    return RpcError(f"RPC server {', '.join(endpoints)}: the connection was lost or a wait timed out during this "
+                    "decode; nothing of it was returned. Close this Llama, and load again once the host "
+                    "serves again (EMPANEL_RPC_WAIT_TIMEOUT: seconds a wait may take, default 600)")
+
+
 def use_servers(servers, llama_kwargs):
     """Every face's RPC step, before planning (the estimate sees the devices): register the
     servers (add_servers) and offload every layer to them unless llama_kwargs names
-    n_gpu_layers. Returns the endpoints, None without servers."""
+    n_gpu_layers. Returns the endpoints, None without servers. Without servers, the servers an
+    earlier load registered must still be usable (check_servers)."""
     if not servers:
+        check_servers()
         return None
     endpoints = add_servers(servers)
     if llama_kwargs.get("n_gpu_layers") is None:

@@ -3,11 +3,14 @@
 The layers llama.cpp places on the servers have their pools there; a miss writes the expert over
 the wire, by hash once the server's cache (-c) holds it (csrc/rpc.c, patch 0008). Exact: the same
 logits as the same placement without slots. Every load runs in a child process: the devices of
-RPC servers stay registered in a process, and llama.cpp aborts a process whose server went away.
+RPC servers stay registered in a process, for every later load. A host lost mid-run fails the
+decodes that need it (patches 0008 and 0010), in Python and in llama-server.
 """
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -321,6 +324,136 @@ def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no answer to the handshake in 1.0 s" in proc.stdout, proc.stdout
     assert "devices: 0" in proc.stdout
+
+
+# a host lost while the client decodes: the decode fails (RpcError), the client goes on
+LOST_CHILD = textwrap.dedent("""
+    import json, os, signal, subprocess, sys, time
+    import numpy as np
+    from empanel_gguf import Llama, rpc
+    from empanel_gguf.commands.options import default_model_path
+    from empanel_gguf.exactness import greedy_logits
+
+    servers, victim_group, port, cache_dir, how, out = sys.argv[1:7]
+    path = str(default_model_path())
+    text = b"Once upon a time, in a land far away"
+    kw = dict(n_ctx=512, logits_all=True, verbose=False, rpc_servers=servers, n_threads=1)
+    result = {}
+
+    llm = Llama(path, **kw)  # the reference: the same placement, without slots
+    ref, ref_tokens = greedy_logits(llm, text, 4)
+    llm.close()
+
+    llm = Llama(path, moe_slots="25%", **kw)
+    t0 = time.monotonic()
+    n = 0
+    try:
+        for n, _ in enumerate(llm.create_completion("ROMEO:", max_tokens=200, temperature=0.0, stream=True)):
+            if n == 5:  # the host goes while this client decodes
+                os.killpg(int(victim_group), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        result["caught"] = None
+    except rpc.RpcError as e:
+        result["caught"] = str(e)
+    result["seconds"] = time.monotonic() - t0
+    result["tokens"] = n
+    llm.close()
+    result["closed"] = True
+    if how == "stop":
+        os.killpg(int(victim_group), signal.SIGKILL)
+        os.killpg(int(victim_group), signal.SIGCONT)
+
+    try:  # the host is still down: the next load says so, it does not abort
+        Llama(path, moe_slots="25%", **kw)
+        result["down"] = None
+    except rpc.RpcError as e:
+        result["down"] = str(e)
+
+    env = dict(os.environ, LLAMA_CACHE=cache_dir)
+    server = subprocess.Popen([sys.executable, "-m", "empanel_gguf", "rpc-server", "-H", "127.0.0.1", "-p", port,
+                               "-t", "1", "-c"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    result["restarted"] = server.pid
+    json.dump(result, open(out, "w"))  # the parent stops it even if what follows fails
+    for _ in range(300):
+        try:
+            rpc.check_servers()
+            break
+        except rpc.RpcError:
+            time.sleep(0.1)
+    llm = Llama(path, moe_slots="25%", **kw)  # the host serves again: exact again
+    logits, tokens = greedy_logits(llm, text, 4)
+    result["equal"] = bool(np.array_equal(logits, ref)) and tokens == ref_tokens
+    llm.close()
+    json.dump(result, open(out, "w"))
+""")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_host_lost_during_a_decode_is_an_error_not_an_abort(tmp_path, how):
+    """A host killed (or stopped: its waits time out, EMPANEL_RPC_WAIT_TIMEOUT) while the client
+    decodes: the decode raises RpcError and returns nothing, close() works, a load while the host
+    is down is an RpcError naming it, and once it serves again a new Llama in the same process
+    gives the reference logits."""
+    servers = RpcServers(tmp_path / "srv", caches=(True, True))
+    out = tmp_path / "lost.json"
+    result = {}
+    try:
+        port = servers.endpoints[1].rsplit(":", 1)[1]
+        proc = subprocess.run([sys.executable, "-c", LOST_CHILD, servers.servers, str(servers.procs[1].pid), port,
+                               str(servers.cache_dirs[1]), how, str(out)],
+                              cwd=tmp_path, env=child_env(EMPANEL_RPC_WAIT_TIMEOUT="3"), capture_output=True,
+                              text=True, timeout=300)
+        result = json.loads(out.read_text()) if out.exists() else {}
+    finally:
+        servers.stop()
+        if result.get("restarted"):
+            try:
+                os.killpg(result["restarted"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0, proc.stderr[-3000:]  # no signal, no abort
+    assert result["caught"] and f"RPC server {servers.endpoints[1]}" in result["caught"], result
+    assert result["tokens"] < 199 and result["seconds"] < 60, result  # failed early, never hung
+    assert result["closed"]
+    assert result["down"] and servers.endpoints[1] in result["down"] and "earlier load" in result["down"], result
+    assert result["equal"], result
+
+
+def test_llama_server_under_load_survives_a_lost_host(tmp_path):
+    """`empanel-gguf llama-server --rpc` at 25 % slots under the load of
+    test_programs.py::test_llama_server_under_load, one host killed after 40 answers: every request
+    is answered (200 before the loss; after it llama-server's own 500 "Compute error.", or an
+    error event in a stream already under way), the server process lives on and serves /health,
+    and it ends on SIGTERM with an exit status, never a signal."""
+    import loadgen
+    from empanel_gguf.commands.options import default_model_path
+
+    servers = RpcServers(tmp_path / "srv", caches=(True, True))
+    try:
+        victim = servers.procs[1]
+        with loadgen.llama_server(str(default_model_path()), "25%", tmp_path / "server.log", "--rpc",
+                                  servers.servers) as (base, proc):
+            load = loadgen.run_load(base, after=(40, lambda: os.killpg(victim.pid, signal.SIGKILL)))
+            later = loadgen.ask(base, "ROMEO:", chat=False, stream=False)
+            with urllib.request.urlopen(f"{base}/health", timeout=10) as response:
+                health = response.status
+            alive = proc.poll() is None
+    finally:
+        servers.stop()
+    answers = load["answers"]
+    assert len(answers) == 124
+    unanswered = [a for a in answers if a["status"] is None]
+    assert not unanswered, unanswered[:4]  # no reset, no hang: every request has its answer
+    served = [a for a in answers if a["status"] == 200 and not a["error"] and a["text"]]
+    refused = [a for a in answers if a not in served]
+    assert len(served) >= 30, len(served)  # those before the loss
+    assert refused and all("Compute error" in (a["error"] or "") for a in refused), refused[:4]
+    assert all(400 <= status < 500 for status, _ in load["malformed"]), load["malformed"]
+    assert later["status"] == 500 and "Compute error" in later["error"]
+    assert alive and health == 200
+    assert proc.returncode is not None and proc.returncode >= 0, proc.returncode  # not a signal
+    log = (tmp_path / "server.log").read_text()
+    assert f"RPC server {servers.endpoints[1]}: the connection was lost" in log, log[-3000:]
 
 
 def _cut_short(path):

@@ -85,5 +85,10 @@ void llama_empanel_program_close(const llama_model * model);
 // context: status of a graph computation, GGML_STATUS_FAILED if an expert read failed during it
 ggml_status llama_empanel_program_status(const llama_model * model, ggml_status status);
 
+// context: after a decode, false if an RPC host that one of sched's backends runs on was lost or
+// timed out during it (ggml-rpc, patch 0008: its outputs are zeros, not the model's). Only a
+// sched with RPC backends is synchronized to know.
+bool llama_empanel_hosts_ok(ggml_backend_sched_t sched);
+
 // context: graph nodes the waves of a micro-batch of n_tokens add to a model's graph (upper bound)
 uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_tokens);

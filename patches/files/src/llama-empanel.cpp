@@ -730,3 +730,35 @@ uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_t
     }
     return n;
 }
+
+// ------------------------------------------------------------------------------------------------
+// RPC hosts
+
+typedef bool (*empanel_rpc_backend_failed_fn)(ggml_backend_t backend);
+
+bool llama_empanel_hosts_ok(ggml_backend_sched_t sched) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    if (reg == nullptr) {
+        return true;
+    }
+    auto failed = (empanel_rpc_backend_failed_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_backend_failed");
+    std::vector<ggml_backend_t> hosts; // this sched's backends on RPC hosts
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        if (dev != nullptr && ggml_backend_dev_backend_reg(dev) == reg) {
+            hosts.push_back(backend);
+        }
+    }
+    if (hosts.empty() || failed == nullptr) {
+        return true;
+    }
+    // the batch's last commands (its outputs among them) may still be under way
+    ggml_backend_sched_synchronize(sched);
+    for (ggml_backend_t backend : hosts) {
+        if (failed(backend)) {
+            return false;
+        }
+    }
+    return true;
+}
