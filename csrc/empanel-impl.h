@@ -256,6 +256,10 @@ int      empanel_rpc_write_by_hash(void * pool_tensor, int32_t slot, uint64_t ha
 // the bytes into slot `slot`, kept in the host's cache if it has one; 0 or -1
 int      empanel_rpc_write_cached(void * pool_tensor, int32_t slot, const void * data, uint64_t size);
 
+// preload.c: after the preload of a pinned plan, every pool that holds all the experts holds
+// expert e in slot e; 0, or -1 with the reason in err
+int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err_size);
+
 // remap.c: the remap's steps that preload.c and guess.c share
 // the slot in [begin, end) to evict, among those whose mark is not `taken` (-1 if none)
 int32_t empanel_pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
@@ -300,6 +304,7 @@ struct empanel_plan {
     int32_t  guess_depth;
     int32_t  subst_alt;
     int      preload;
+    int      pinned;    // pools that hold every expert run stock's graph (llama_empanel_set_pinned)
     int32_t * n_slots;                          // [n_layer]
     char   ** paths;                            // [n_paths] the shards
     int32_t   n_paths;

@@ -113,6 +113,7 @@ struct empanel_load * empanel_load_open(const char * plan_text, const char * pla
 void empanel_load_begin(struct empanel_load * load) {
     const struct empanel_plan * plan = &load->plan;
     llama_empanel_set_plan(plan->n_slots, plan->n_layer, (llama_empanel_remap_fn) empanel_remap, load->pool);
+    llama_empanel_set_pinned(plan->pinned != 0);
     if (plan->guess_depth > 0) {
         llama_empanel_set_guess((llama_empanel_guess_fn) empanel_guess, plan->guess_depth);
     }
@@ -156,6 +157,10 @@ int64_t empanel_load_preload(struct empanel_load * load, char * err, size_t err_
     if (n < 0) {
         empanel_format_err(err, err_size, "preloading experts: %s", empanel_pool_error(load->pool));
         empanel_pool_clear_error(load->pool);
+        return n;
+    }
+    if (load->plan.pinned && empanel_pool_check_pinned(load->pool, err, err_size) != 0) {
+        return -1; // a graph without remap ops would compute with the wrong experts
     }
     return n;
 }

@@ -3,7 +3,7 @@
 // the Python process. Both then go through load.c.
 //
 // One record per line, fields separated by one space, a path always last (it may hold spaces).
-// Every record is required except order, digests and stats (and tensor when no layer is paged:
+// Every record is required except pin, order, digests and stats (and tensor when no layer is paged:
 // a load that only traces routing), and `end` closes it (a truncated plan is refused).
 //
 //   empanel-plan <version>
@@ -14,6 +14,8 @@
 //   guess <depth>                                 0: no gate-ahead guess
 //   subst <n_alt>                                 0: no routing substitution
 //   preload <0|1>
+//   pin <0|1>                                     optional: pools that hold every expert run stock's
+//                                                 graph (expert e in slot e; needs preload 1)
 //   slots <n_slots of layer 0> ... <of layer n_layer-1>
 //   tensor <layer> <file> <offset> <expert_size> <name>
 //   order <layer> <n> <expert>... <n_uses: 0 or n> <uses>...
@@ -245,6 +247,12 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
         seen = PLAN_PRELOAD;
         goto fixed;
     }
+    if (strcmp(kind, "pin") == 0) {
+        if (field_i32(r, &plan->pinned, 0, 1) != 0) {
+            goto bad;
+        }
+        goto fixed;
+    }
     if (!(plan->seen & PLAN_SHAPE)) { // the records below are sized by it
         empanel_format_err(err, err_size, "%s:%d: '%s' before 'shape'", r->path, r->line_no, kind);
         return -1;
@@ -437,6 +445,11 @@ static int plan_parse(FILE * f, const char * source, const char * model_path, st
     if (!ended || (plan->seen & required) != required) {
         empanel_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
                            "model, file, shape, params, guess, subst, preload, slots, tensor)", source);
+        goto done;
+    }
+    if (plan->pinned && !plan->preload) {
+        empanel_format_err(err, err_size, "%s: 'pin 1' needs 'preload 1' (pinned pools hold expert e in slot e "
+                           "from the load on)", source);
         goto done;
     }
     rc = 1;

@@ -142,3 +142,24 @@ int64_t empanel_pool_preload(struct empanel_pool * pool) {
     pthread_mutex_unlock(&pool->lock);
     return n_read;
 }
+
+int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err_size) {
+    pthread_mutex_lock(&pool->lock);
+    int rc = 0;
+    for (int32_t il = 0; il < pool->n_layer && rc == 0; il++) {
+        const struct empanel_layer * layer = &pool->layers[il];
+        if (layer->observe || layer->n_slots < pool->n_expert) {
+            continue;
+        }
+        for (int32_t s = 0; s < pool->n_expert && rc == 0; s++) {
+            if (layer->expert_in[s] != s) {
+                empanel_format_err(err, err_size, "pinned pools: layer %d, slot %d holds expert %d after the preload, "
+                                   "not %d (load with moe_preload on, and without a preload order)", il, s,
+                                   layer->expert_in[s], s);
+                rc = -1;
+            }
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
+}

@@ -143,6 +143,7 @@ class LoadPlan:
     orders: dict | None = None   # warm start: {layer: (experts, LFU counts)} the preload takes first
     digests: dict | None = None  # moe_verify: the saved {tensor name: [n_expert] digests}, None: first reads
     preload: bool = False        # fill the empty slots right after the load
+    pinned: bool = False         # the pools hold every expert, e in slot e: stock's graph, no remap op
 
     def report(self, verbose=True):
         """The lines a face logs before the load: the warnings always; with verbose the notices and
@@ -258,10 +259,14 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         notes.append(f"routing substitution on (moe_subst={options.subst}): outputs are APPROXIMATE, not those of "
                      "the model fully in memory")
     profile = _warm_start(index, options.profile, notes, load.warnings)
-    if profile is not None:
+    load.preload = wants_preload(plan, profile is not None, options.preload)
+    # pools that hold every expert, preloaded in id order, never miss: their graph is stock's
+    # (no remap, guess or substitution op); a trace needs the remap op to see the routing
+    # (g-lru's budget may fill a layer short of every expert: never pinned)
+    load.pinned = plan.holds_all and load.preload and not options.trace and options.policy != "g-lru"
+    if profile is not None and not load.pinned:
         # counts up to the pool's size: under lfu-decay they halve away with the same clock
         load.orders = preload_orders(profile, load.pools.n_slots, index.moe_layers, seed_uses=plan.min_slots)
-    load.preload = wants_preload(plan, profile is not None, options.preload)
     return load
 
 

@@ -21,15 +21,16 @@ def _mtime_ns(path):
 
 def load_text(load, stats_path=None):
     """The plan of a LoadPlan with pools (load.pools is not None) as text."""
-    return plan_text(load.index, load.pools, preload=load.preload, orders=load.orders, digests=load.digests,
-                     stats_path=stats_path)
+    return plan_text(load.index, load.pools, preload=load.preload, pinned=load.pinned, orders=load.orders,
+                     digests=load.digests, stats_path=stats_path)
 
 
-def plan_text(index, setup, *, preload=False, orders=None, digests=None, stats_path=None):
+def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests=None, stats_path=None):
     """The plan of one model's pools as text.
 
     index: the model (index.ModelIndex); setup: plan.PoolSetup; preload: read experts into the
-    empty slots after the load; orders: {layer: (experts, LFU counts or None)} (plan.preload_orders);
+    empty slots after the load; pinned: pools that hold every expert keep expert e in slot e and
+    run stock's graph (needs preload, and no orders for them); orders: {layer: (experts, LFU counts or None)} (plan.preload_orders);
     digests: {tensor name: [n_expert] digests} (digests.load) for a verifying plan; stats_path: where
     a program appends each load's counters (JSON lines)."""
     for shard in index.shards:
@@ -47,6 +48,8 @@ def plan_text(index, setup, *, preload=False, orders=None, digests=None, stats_p
     lines.append(f"guess {setup.guess_depth}")
     lines.append(f"subst {index.n_expert_used if setup.subst else 0}")
     lines.append(f"preload {1 if preload else 0}")
+    if pinned:
+        lines.append("pin 1")
     lines.append("slots " + " ".join(str(n) for n in setup.n_slots))
     for t in setup.paged:
         lines.append(f"tensor {t.layer} {t.shard} {t.offset} {t.stride} {t.name}")

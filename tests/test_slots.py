@@ -6,6 +6,8 @@ runs in waves (each wave's experts resident, its pairs computed by the same kern
 one output), so every run uses llama-cpp-python's default n_batch / n_ubatch (512) like stock.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -81,13 +83,56 @@ def test_bit_identical_to_stock_defaults(fixture_dir, name, moe_slots):
         total = stats["total"]
         assert total["n_slots"] == sum(plan.n_slots)
         if plan.holds_all:
-            # all experts fit: each is read once, at load (moe_preload's default), none on demand
+            # all experts fit: each is read once, at load (moe_preload's default), none on demand,
+            # and the pools are pinned: stock's graph, no remap at all
             assert total["misses"] == 0 and total["bytes_read"] == index.expert_bytes_total
-            assert total["n_waves"] == total["n_remaps"]  # one wave each
+            assert total["n_remaps"] == 0 and total["hits"] == 0
         else:
             assert total["misses"] > 0 and total["bytes_read"] > 0
             if n_prompt >= 100:  # routes to more distinct experts than the pools hold
                 assert total["n_waves"] > total["n_remaps"]  # the prompt ran in waves
+
+
+def _graph_nodes(capfd, path, **kwargs):
+    """The nodes of the graph llama.cpp reserves for a load (its log line), and max_nodes."""
+    capfd.readouterr()
+    llm = Llama(str(path), n_ctx=N_CTX, verbose=True, **kwargs)
+    llm.close()
+    err = capfd.readouterr().err
+    nodes = re.findall(r"graph(?: \([^)]*\))?: nodes = ([0-9 /]+),", err)
+    budget = re.findall(r"max_nodes = (\d+)", err)
+    assert nodes and budget, err[-3000:]
+    return nodes[-1].strip(), int(budget[-1])
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-f16", "deepseek2"])
+def test_pools_holding_every_expert_run_stocks_graph(fixture_dir, name, capfd):
+    """At 100 % slots the pools are preloaded in id order and pinned: the graph is stock's, node
+    for node (no remap, guess or substitution op), and no remap is ever called. Paged layers
+    below 100 % do add ops (what this measure would show)."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    stock = _graph_nodes(capfd, path)
+    pinned = _graph_nodes(capfd, path, moe_slots="100%", moe_subst=0.5)
+    paged = _graph_nodes(capfd, path, moe_slots="50%")
+    assert pinned == stock, (pinned, stock)
+    assert paged != stock
+    llm = Llama(str(path), n_ctx=N_CTX, verbose=False, moe_slots="100%")
+    try:
+        assert llm.moe_load.pinned
+        llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog"))
+        total = llm.moe_stats()["total"]
+        assert total["n_remaps"] == 0 and total["preloaded"] == total["n_slots"]
+    finally:
+        llm.close()
+    # a trace needs the remap op, and without the preload the pools start empty: not pinned
+    for kwargs in (dict(moe_trace=True), dict(moe_preload=False)):
+        llm = Llama(str(path), n_ctx=N_CTX, verbose=False, moe_slots="100%", **kwargs)
+        try:
+            assert not llm.moe_load.pinned
+            llm.eval(llm.tokenize(b"The quick brown fox"))
+            assert llm.moe_stats()["total"]["n_remaps"] > 0
+        finally:
+            llm.close()
 
 
 def test_each_expert_read_once_per_micro_batch(fixture_dir):

@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 // bumped whenever a function below changes; empanel-gguf refuses a library with another version
-#define LLAMA_EMPANEL_API_VERSION 8
+#define LLAMA_EMPANEL_API_VERSION 9
 
     LLAMA_API int32_t      llama_empanel_api_version(void);
 
@@ -112,6 +112,13 @@ extern "C" {
             int32_t         n_tokens);
 
     LLAMA_API void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt);
+
+    // pinned pools: every paged layer whose pools hold all the model's experts (n_slots >=
+    // n_expert) holds expert e in slot e from before its first graph computation on (the caller
+    // preloads them so, and nothing evicts), so its graph is stock's: expert ids go to MUL_MAT_ID
+    // as slot ids, with no remap, guess or substitution op. Call after llama_empanel_set_plan,
+    // before the load; off by default.
+    LLAMA_API void llama_empanel_set_pinned(bool pinned);
 
     // forget the plan (and any pools of a load that failed); call after the load returns
     LLAMA_API void llama_empanel_clear_plan(void);

@@ -36,7 +36,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
 // model: forget a model's pools (its buffers are freed with the model)
 void llama_empanel_model_free(const llama_model * model);
 
-// graph: w is a pool tensor
+// graph: w is a pool tensor that holds only some experts (not observed, not pinned)
 bool llama_empanel_is_pool(const ggml_tensor * w);
 
 // graph: slot ids [n_used, n_tokens] for MUL_MAT_ID over pool w, or ids itself if w is no pool

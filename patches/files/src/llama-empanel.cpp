@@ -65,6 +65,7 @@ struct llama_empanel_layer {
     ggml_tensor          * probs_bias  = nullptr; // exp_probs_b.bias (selection bias), or NULL
     std::vector<llama_empanel_guess> guesses;     // the later layers this one guesses
     bool                   observe;  // no pool: remap sees the ids and returns them (traces)
+    bool                   pinned = false; // expert e in slot e for good: stock's graph (llama_empanel_set_pinned)
     int32_t                n_slots  = 0;
     int32_t                n_expert = 0;
     int32_t                n_pools  = 0;
@@ -86,6 +87,7 @@ struct llama_empanel_load {
     int32_t                guess_depth = 0;
     llama_empanel_subst_fn subst = nullptr;
     int32_t                subst_alt = 0;
+    bool                   pinned    = false;
     std::map<int32_t, ggml_tensor *> routers, router_biases, probs_biases; // il -> tensor
 
     std::map<ggml_backend_buffer_type_t, ggml_context_ptr> pool_ctxs;
@@ -141,6 +143,12 @@ void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt) {
     if (g_load) {
         g_load->subst     = subst;
         g_load->subst_alt = subst != nullptr && n_alt > 0 ? n_alt : 0;
+    }
+}
+
+void llama_empanel_set_pinned(bool pinned) {
+    if (g_load) {
+        g_load->pinned = pinned;
     }
 }
 
@@ -260,6 +268,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
             layer->n_slots  = observe ? 0 : g_load->n_slots[il];
             layer->n_expert = g_load->n_expert;
             layer->waves    = !observe && !no_alloc;
+            layer->pinned   = !observe && g_load->pinned && layer->n_slots >= layer->n_expert;
             entry.layers.push_back(std::move(layer));
             layer_of[il] = entry.layers.back().get();
         }
@@ -310,7 +319,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
     // gate-ahead guesses: each paged layer guesses the next guess_depth paged layers with a router
     std::vector<llama_empanel_layer *> paged; // ascending il
     for (auto & [il, layer] : layer_of) {
-        if (!layer->observe && g_load->routers.count(il)) {
+        if (!layer->observe && !layer->pinned && g_load->routers.count(il)) {
             layer->router      = g_load->routers[il];
             layer->router_bias = g_load->router_biases.count(il) ? g_load->router_biases[il] : nullptr;
             layer->probs_bias  = g_load->probs_biases.count(il)  ? g_load->probs_biases[il]  : nullptr;
@@ -385,7 +394,7 @@ bool llama_empanel_is_pool(const ggml_tensor * w) {
     }
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_pool_layer.find(w);
-    return it != g_pool_layer.end() && !it->second->observe;
+    return it != g_pool_layer.end() && !it->second->observe && !it->second->pinned;
 }
 
 // the sidecar's remap: slot_ids [n_used, n_tokens] (contiguous) for a = expert ids [n_used,
@@ -572,7 +581,7 @@ ggml_tensor * llama_empanel_build_subst(ggml_context * ctx, const ggml_tensor * 
                                         ggml_tensor * selected, int gating_op, int64_t n_used) {
     llama_empanel_layer * layer = empanel_layer_of(w);
     // scores must be positive probabilities for "at least r x the missing one's"
-    if (layer == nullptr || layer->subst == nullptr || gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ||
+    if (layer == nullptr || layer->pinned || layer->subst == nullptr || gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ||
         scores->type != GGML_TYPE_F32 || !ggml_is_contiguous(scores)) {
         return selected;
     }
@@ -585,8 +594,8 @@ ggml_tensor * llama_empanel_build_subst(ggml_context * ctx, const ggml_tensor * 
 
 ggml_tensor * llama_empanel_build_remap(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * ids) {
     llama_empanel_layer * layer = empanel_layer_of(w);
-    if (layer == nullptr) {
-        return ids;
+    if (layer == nullptr || layer->pinned) {
+        return ids; // pinned: the expert ids are the slot ids
     }
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ggml_n_dims(ids) <= 2 && ids->nb[0] == sizeof(int32_t));
     if (empanel_n_waves(layer, ids->ne[1], ids->ne[0]) > 1) {
@@ -647,7 +656,7 @@ static ggml_tensor * empanel_masked_wave(ggml_context * ctx, ggml_tensor * w, gg
 
 ggml_tensor * llama_empanel_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
     llama_empanel_layer * layer = empanel_is_slot_ids(ids) ? nullptr : empanel_layer_of(w);
-    if (layer == nullptr || layer->observe) {
+    if (layer == nullptr || layer->observe || layer->pinned) {
         return ggml_mul_mat_id(ctx, w, cur, ids);
     }
     const int32_t n_waves = empanel_n_waves(layer, ids->ne[1], ids->ne[0]);
@@ -721,6 +730,9 @@ uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_t
     }
     uint32_t n = 0;
     for (const auto & layer : it->second.layers) {
+        if (layer->pinned) {
+            continue; // stock's graph
+        }
         // per wave and pool a remap and a MUL_MAT_ID (masked: also views, the mask, the mul and
         // the add); at most n_expert used per token (a warmup routes to all of them), and room for
         // the cb() names' views
