@@ -103,6 +103,7 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(verified,        counter, "",                      "Expert tensors read whose bytes were checked against a digest.") \
     X(verify_ns,       counter, "",                      "Time the reader threads spent hashing (summed over threads).") \
     X(remote_by_hash,  counter, "",                      "Expert tensors an RPC host wrote from its cache, asked by hash.") \
+    X(device_syncs,    counter, "device_syncs_total",    "Graph calls (remaps, guesses) that wait for a device or RPC host holding the pools.") \
     X(n_slots,         gauge,   "slots",                 "Expert slots of the layer's pool.") \
     X(n_resident,      gauge,   "slots_resident",        "Slots holding an expert.")
 

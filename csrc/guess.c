@@ -97,6 +97,7 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
+    layer->stats.device_syncs += (uint64_t) layer->device; // its router's top-k came from the device
     // the guess's distinct experts, into layer->distinct (free between this layer's remaps)
     const uint64_t stamp = ++layer->guess_stamp;
     int32_t n = 0;

@@ -466,6 +466,7 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
             t->direct = empanel_slot_data(pool_tensor, 0) != NULL;
             t->masked = llama_empanel_pool_masked(pool_tensor);
             t->host   = empanel_pool_host_data(pool_tensor);
+            layer->device |= t->host == NULL;
             t->remote = empanel_rpc_tensor(pool_tensor);
             if (t->remote && t->remote_hash == NULL) {
                 t->remote_cache = 1;

@@ -574,7 +574,8 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
         empanel_read_finish(pool); // nothing stays in flight after a failure
     }
     if (il >= 0 && il < pool->n_layer) {
-        pool->layers[il].stats.remap_ns += empanel_now_ns() - t0;
+        pool->layers[il].stats.remap_ns     += empanel_now_ns() - t0;
+        pool->layers[il].stats.device_syncs += (uint64_t) pool->layers[il].device;
     }
     pthread_mutex_unlock(&pool->lock);
     return rc;

@@ -83,7 +83,7 @@ class ExpertPools:
                 continue  # observed only
             self.n.sidecar.empanel_stats_get(self.pool, il, out)
             raw[il] = {c.field: getattr(out, c.field) for c in COUNTERS}
-        return layer_stats(raw, self.n_masked)
+        return layer_stats(raw, self.n_masked, self.index.n_expert_used)
 
     def take_trace(self):
         """The routing recorded since the last call: int32 [layer, n_tokens, n_used, ids...]

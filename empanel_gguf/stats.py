@@ -22,9 +22,10 @@ def _rate(hits, misses):
     return hits / (hits + misses) if hits + misses else 0.0
 
 
-def layer_stats(raw, n_masked=0):
+def layer_stats(raw, n_masked=0, n_expert_used=0):
     """{layer: {field: raw value}} (as the sidecar or a program's stats file gives them) ->
-    {"layers": {layer: row}, "total": totals and rates}; *_ns fields become *_s (seconds)."""
+    {"layers": {layer: row}, "total": totals and rates}; *_ns fields become *_s (seconds).
+    n_expert_used (top-k) gives the tokens a layer saw, for the per-token rates."""
     layers = {}
     total = dict.fromkeys(NAMES, 0)
     for il, counters in raw.items():
@@ -41,6 +42,11 @@ def layer_stats(raw, n_masked=0):
     total["waves_per_batch"] = total["n_waves"] / total["n_remaps"] if total["n_remaps"] else 0.0
     total["hidden_read_s"] = max(0.0, total["read_s"] - total["wait_s"])
     total["masked_pools"] = n_masked
+    # tokens evaluated: the most any paged layer saw (the last layer of a prompt runs only the
+    # tokens whose outputs are wanted); waits on a device or RPC host per token
+    tokens = max((row["n_ids"] for row in layers.values()), default=0) // n_expert_used if n_expert_used else 0
+    total["tokens"] = tokens
+    total["device_syncs_per_token"] = total["device_syncs"] / tokens if tokens else 0.0
     # the gate-ahead guess: recall over the micro-batches it was made for; read-ahead hits
     total["guess_recall"] = total["guess_hits"] / total["guess_routed"] if total["guess_routed"] else 0.0
     total["prefetch_hit_rate"] = total["prefetch_used"] / total["prefetched"] if total["prefetched"] else 0.0
@@ -69,7 +75,7 @@ def read_stats_file(path):
             if line.strip():
                 record = json.loads(line)
                 stats = layer_stats({int(il): row for il, row in record["layers"].items()},
-                                    record.get("masked_pools", 0))
+                                    record.get("masked_pools", 0), record.get("n_expert_used", 0))
                 stats["seconds"] = record.get("seconds", 0.0)
                 if record.get("wire_sent") or record.get("wire_received"):  # --rpc
                     stats["total"]["wire_sent"] = record["wire_sent"]

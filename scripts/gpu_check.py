@@ -67,6 +67,7 @@ def check_exactness(names, n_gpu_layers, n_greedy, workdir):
                 "greedy_tokens_as_cpu": f"{agree}/{len(tokens)}",
                 "hit_rate": total["hit_rate"], "misses": total["misses"],
                 "round_trip_us": 1e6 * total["remap_s"] / max(1, total["n_remaps"]),
+                "syncs_per_token": total["device_syncs_per_token"],
                 "seconds": time.perf_counter() - t0,
             })
             print(f"{name:16s} slots={str(slots):>4s} ub={n_ubatch:3d} identical={rows[-1]['bit_identical']} "
@@ -90,7 +91,7 @@ def time_decode(path, moe_slots, n_gpu_layers, n_gen, n_ubatch):
         if stats is not None:
             t = stats["total"]
             row.update(hit_rate=t["hit_rate"], round_trip_us=1e6 * t["remap_s"] / max(1, t["n_remaps"]),
-                       read_gbps=t["read_gbps"])
+                       read_gbps=t["read_gbps"], syncs_per_token=t["device_syncs_per_token"])
         return row
     finally:
         llm.close()
@@ -108,22 +109,25 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as workdir:
         rows = check_exactness(args.fixtures.split(","), args.n_gpu_layers, args.n_greedy, workdir)
-    print("| fixture | moe_slots | n_ubatch | bit-identical | max diff vs CPU (same inputs) | hit rate | round trip µs/layer |")
-    print("|---|---|---|---|---|---|---|")
+    print("| fixture | moe_slots | n_ubatch | bit-identical | max diff vs CPU (same inputs) | hit rate "
+          "| round trip µs/layer | device syncs/token |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['fixture']} | {r['moe_slots']} | {r['n_ubatch']} | {'yes' if r['bit_identical'] else 'NO'} "
-              f"| {r['max_diff_vs_cpu']:.3g} | {100 * r['hit_rate']:.1f}% | {r['round_trip_us']:.0f} |")
+              f"| {r['max_diff_vs_cpu']:.3g} | {100 * r['hit_rate']:.1f}% | {r['round_trip_us']:.0f} "
+              f"| {r['syncs_per_token']:.1f} |")
     speed = []
     if args.speed:
         resident = time_decode(args.speed, None, args.n_gpu_layers, args.n_gen, 1)
         speed.append(resident)
         for slots in ("100%", "25%"):
             speed.append(time_decode(args.speed, slots, args.n_gpu_layers, args.n_gen, 1))
-        print("\n| moe_slots | decode tok/s | vs resident | hit rate | round trip µs/layer | read GB/s |")
-        print("|---|---|---|---|---|---|")
+        print("\n| moe_slots | decode tok/s | vs resident | hit rate | round trip µs/layer | read GB/s | syncs/token |")
+        print("|---|---|---|---|---|---|---|")
         for r in speed:
             print(f"| {r['moe_slots']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / resident['decode_tok_s']:.2f} "
-                  f"| {100 * r.get('hit_rate', 1.0):.1f}% | {r.get('round_trip_us', 0):.0f} | {r.get('read_gbps', 0):.2f} |")
+                  f"| {100 * r.get('hit_rate', 1.0):.1f}% | {r.get('round_trip_us', 0):.0f} | {r.get('read_gbps', 0):.2f} "
+                  f"| {r.get('syncs_per_token', 0):.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"exactness": rows, "speed": speed}, f, indent=1)

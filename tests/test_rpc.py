@@ -127,7 +127,7 @@ CHILD = textwrap.dedent("""
         passes.append({"equal": bool(np.array_equal(logits, ref)) and tokens == ref_tokens,
                        "max_diff": float(np.abs(logits - ref).max()),
                        **{k: s1[k] - s0[k] for k in ("misses", "hits", "bytes_read", "copy_bytes", "remote_by_hash",
-                                                       "n_waves", "n_remaps")},
+                                                       "n_waves", "n_remaps", "device_syncs")},
                        "wire_sent": w1[0] - w0[0], "round_trips": w1[2] - w0[2]})
     n_tensors = {len(layer.tensors) for layer in llm._experts.index.layers}
     llm.close()
@@ -163,6 +163,8 @@ def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, 
     assert first["wire_sent"] - second["wire_sent"] >= 0.95 * first["copy_bytes"], (first, second)
     assert second["round_trips"] >= second["remote_by_hash"], second  # each write by hash waits for its answer
     assert first["n_waves"] > first["n_remaps"], first  # the prompt ran in waves over the remote pools
+    # every remap (and guess) of a layer on a host waits for it: counted as device syncs
+    assert first["device_syncs"] >= first["n_remaps"] > 0, first
     for i in range(2):  # both servers hold pools: each kept experts in its cache
         assert two_servers.cached_files(i), f"server {i} cached nothing"
 

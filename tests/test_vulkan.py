@@ -102,6 +102,38 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
     assert any(row["prefetched"] > 0 for row in rows)  # read-ahead into device pools ran
 
 
+def test_device_syncs_counted_and_none_when_pinned(tmp_path):
+    """Each remap and each gate-ahead guess of a layer whose pools are in device memory waits
+    for the device (its expert ids to the host): moe_stats() counts them per token. qwen3moe-f16
+    has 3 MoE layers: a decoded token at 25 % slots waits 3 times for the remaps and twice for the
+    guesses (each layer guesses the next), 3 times without guesses, and never at 100 % slots
+    (pinned: stock's graph)."""
+    code = textwrap.dedent("""
+        import json, sys
+        from empanel_gguf import Llama, fixtures
+        path = fixtures.write_fixture("qwen3moe-f16", sys.argv[1])
+        out = {}
+        for name, kwargs in (("25%", dict(moe_slots="25%")), ("25%-noguess", dict(moe_slots="25%", moe_guess=False)),
+                             ("100%", dict(moe_slots="100%"))):
+            llm = Llama(str(path), n_ctx=256, n_gpu_layers=99, verbose=False, **kwargs)
+            llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog"))
+            llm._experts.reset_stats()
+            for _ in range(8):
+                llm.eval([llm.tokenize(b" a")[-1]])
+            t = llm.moe_stats()["total"]
+            out[name] = dict(per_token=t["device_syncs_per_token"], tokens=t["tokens"], pinned=llm.moe_load.pinned)
+            llm.close()
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=vulkan_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["25%"] == dict(per_token=5.0, tokens=8, pinned=False), out
+    assert out["25%-noguess"]["per_token"] == 3.0, out
+    assert out["100%"]["per_token"] == 0.0 and out["100%"]["pinned"], out
+
+
 def test_mixed_placement_some_layers_on_device(tmp_path):
     """Half the layers offloaded: their pools in Vulkan memory, the others' in CPU memory."""
     code = textwrap.dedent("""
