@@ -46,16 +46,16 @@ typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint6
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
 typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
 typedef void     (*rpc_hello_sizes_fn)(size_t * request, size_t * response);
-typedef int      (*rpc_endpoint_state_fn)(const char * endpoint);
+typedef int      (*rpc_endpoint_state_fn)(const char * endpoint); // 0 no connection, 1 open, 2 failed
 
 struct rpc_fns {
-    int                found;
-    ggml_backend_reg_t reg;
-    rpc_hash_fn        hash;
-    rpc_set_by_hash_fn set_by_hash;
-    rpc_set_cached_fn  set_cached;
-    rpc_wire_bytes_fn  wire_bytes;
-    rpc_hello_sizes_fn hello_sizes;
+    int                   found;
+    ggml_backend_reg_t    reg;
+    rpc_hash_fn           hash;
+    rpc_set_by_hash_fn    set_by_hash;
+    rpc_set_cached_fn     set_cached;
+    rpc_wire_bytes_fn     wire_bytes;
+    rpc_hello_sizes_fn    hello_sizes;
     rpc_endpoint_state_fn endpoint_state;
 };
 
@@ -271,8 +271,8 @@ static int check_registered(char * err, size_t err_size) {
             return -1;
         }
         if (state == 0 && probe_endpoint(g_added[i], err, err_size) != 0) {
-            const size_t n = strlen(err);
-            if (n + 1 < err_size) {
+            const size_t n = err != NULL ? strlen(err) : 0;
+            if (err != NULL && n + 1 < err_size) {
                 snprintf(err + n, err_size - n, " (registered by an earlier load of this process: llama.cpp offers "
                          "its devices to every load; start it again there, or run in a new process)");
             }
