@@ -35,8 +35,8 @@ def tiny_model(bench, tmp_path_factory):
 
 
 def test_help(bench):
-    text = bench.setup_arg_parser().format_help()
-    assert "--write-model" in text and "empanel-100%@none" in text
+    text = "".join(bench.setup_arg_parser().format_help().split())  # argparse wraps at hyphens
+    assert "--write-model" in text and "empanel-100%@none" in text and "[/plain]" in text
 
 
 def test_q4_k_blocks_decode_finite(bench):
@@ -126,6 +126,8 @@ def test_config_options_reach_llama():
 
     (cfg,) = parse_config("empanel-25%/lfu-decay/prefetch=2/guess=off@cap", top_k=8)
     assert cfg.moe_slots == "25%" and cfg.moe_policy == "lfu-decay" and cfg.cap == "cap"
-    assert cfg.moe_opts == {"moe_prefetch": 2, "moe_guess": False}
+    assert cfg.moe_opts == {"moe_prefetch": 2, "moe_guess": False} and not cfg.plain
+    (cfg,) = parse_config("empanel-25%/plain@none", top_k=8)
+    assert cfg.plain and cfg.moe_opts is None
     with pytest.raises(SystemExit, match="neither a policy"):
         parse_config("empanel-25%/fifo", top_k=8)

@@ -151,7 +151,7 @@ def child_main(spec_path: str) -> int:
 
     phase("load")
     t0 = time.perf_counter()
-    if spec["kind"] == MMAP:
+    if spec["kind"] == MMAP or spec.get("plain"):  # plain: pools of the plain layout (no CPU_REPACK)
         with _MappedWeights(empanel_gguf.llama_cpp):
             llm = Llama(spec["model"], **kwargs)
     else:

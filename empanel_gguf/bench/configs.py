@@ -22,6 +22,7 @@ class Config:
     readahead_kb: int | None = None  # stock-mmap-ra<KB>: read_ahead_kb during the run
     moe_policy: str | None = None  # empanel-<slots>/<policy>: this run's moe_policy
     moe_opts: dict | None = None  # empanel-<slots>/<key>=<value>: this run's moe_<key> (prefetch=1, guess=off)
+    plain: bool = False  # empanel-<slots>/plain: no CPU repack buffers (use_extra_bufts=False): plain pools
 
     @property
     def key(self):
@@ -47,20 +48,22 @@ def parse_config(text: str, top_k: int) -> list[Config]:
         value, *parts = name[len(EMPANEL) + 1:].split("/")
         kind, ra = EMPANEL, None
         slots = top_k if value == "min" else int(value) if value.isdigit() else value
-        policy, opts = None, {}
+        policy, opts, plain = None, {}, False
         for part in parts:
-            if "=" in part:  # a Llama moe_* option of this run: prefetch=1, guess=off, profile=PATH
+            if part == "plain":  # pools in the plain layout: reads land in the slots, no repack
+                plain = True
+            elif "=" in part:  # a Llama moe_* option of this run: prefetch=1, guess=off, profile=PATH
                 key, opt = parse_opt(part)
                 opts[key if key.startswith("moe_") else f"moe_{key}"] = opt
             elif part in ENGINE_POLICIES:
                 policy = part
             else:
                 raise SystemExit(f"bench: config '{text}': '{part}' is neither a policy "
-                                 f"({', '.join(ENGINE_POLICIES)}) nor key=value")
-        return [Config(name, c, kind, slots, ra, policy, opts or None) for c in caps]
+                                 f"({', '.join(ENGINE_POLICIES)}), 'plain' nor key=value")
+        return [Config(name, c, kind, slots, ra, policy, opts or None, plain) for c in caps]
     else:
         raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
-                         "empanel-<N|P%|size|min|auto>[/<policy>][/<key>=<value>...], each optionally "
+                         "empanel-<N|P%|size|min|auto>[/<policy>][/plain][/<key>=<value>...], each optionally "
                          "@none or @cap")
     return [Config(name, c, kind, slots, ra) for c in caps]
 

@@ -59,7 +59,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
         "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {}),
                          **(cfg.moe_opts or {})),
-        "llama_opts": dict(a.llama_opt), "result": str(result_path),
+        "llama_opts": dict(a.llama_opt), "plain": cfg.plain, "result": str(result_path),
         "cgroup_procs": None,
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
     }
