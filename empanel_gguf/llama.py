@@ -8,6 +8,7 @@ live in a pool of slots; the experts the router picks are read from the GGUF fil
 sidecar. Outputs are bit-identical to the model fully in memory on the same build.
 """
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,10 @@ class Llama(llama_cpp.Llama):
         moe_verify: check every expert read against its XXH3-64 digest before it is used (a
             mismatch fails the decode with MoeReadError): the digests `empanel-gguf verify` saved
             for this file, else each expert's first read. Outputs unchanged. Default False.
+        moe_repack: False loads without CPU repack buffers, as llama.cpp's --no-repack
+            (use_extra_bufts=False), pools included: reads land in the slots, nothing is repacked.
+            Outputs then equal stock loaded the same way, not stock's defaults (other kernels).
+            Default True. Measured faster with paged layers on a 2-core CPU: docs/performance.md.
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
@@ -90,7 +95,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
-                 moe_verify=False, rpc_servers=None, moe_load=None, **kwargs):
+                 moe_verify=False, moe_repack=True, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
         unknown = [key for key in kwargs if key.startswith("moe_")]
         if unknown:  # llama_cpp.Llama would swallow a misspelt option and load stock
@@ -102,13 +107,14 @@ class Llama(llama_cpp.Llama):
                                   moe_direct_io=moe_direct_io, moe_trace=moe_trace, moe_preload=moe_preload,
                                   moe_resident_layers=moe_resident_layers, moe_profile=moe_profile,
                                   moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
-                                  moe_verify=moe_verify)
+                                  moe_verify=moe_verify, moe_repack=moe_repack)
             moe_load = _plan(model_path, moe_slots, options, kwargs)
             print_notices(moe_load.warnings)  # whatever verbose is: a damaged cache file is never silent
             print_notices(moe_load.notes, verbose)
         elif moe_load is not None and Path(moe_load.index.path).resolve() != Path(model_path).resolve():
             raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")
         self.moe_load = moe_load
+        self.moe_repack = moe_load.options.repack if moe_load is not None else bool(moe_repack)
         self.moe_slots = moe_load.moe_slots if moe_load is not None else None  # "auto" resolved
         self.moe_policy = moe_load.options.policy if moe_load is not None else moe_policy
         self.moe_prefetch = moe_load.options.prefetch if self.moe_slots is not None else 0
@@ -142,7 +148,8 @@ class Llama(llama_cpp.Llama):
         ValueError): llama-cpp-python decodes every metadata value as UTF-8 and compiles every
         chat template it finds."""
         try:
-            super().__init__(model_path, *args, **kwargs)
+            with contextlib.nullcontext() if self.moe_repack else no_repack():
+                super().__init__(model_path, *args, **kwargs)
         except UnicodeDecodeError as e:
             raise ModelError(model_path, f"a metadata value is not valid UTF-8 ({e.reason} at byte {e.start}); "
                              "the file is corrupt: download or convert it again") from None
@@ -234,6 +241,27 @@ class Llama(llama_cpp.Llama):
             super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
+
+
+@contextlib.contextmanager
+def no_repack():
+    """Within the block, models load with llama_model_params.use_extra_bufts = False (llama.cpp's
+    --no-repack): no CPU repack buffers, so weights stay in their file layout and pools are plain
+    memory. llama_cpp.Llama has no argument for it and builds the params inside __init__, so the
+    one function that receives them, llama_model_load_from_file (as _internals.LlamaModel calls
+    it), is wrapped."""
+    module = llama_cpp.llama_cpp
+    original = module.llama_model_load_from_file
+
+    def load(path_model, params):
+        params.use_extra_bufts = False
+        return original(path_model, params)
+
+    module.llama_model_load_from_file = load
+    try:
+        yield
+    finally:
+        module.llama_model_load_from_file = original
 
 
 def _preload(experts, verbose):

@@ -51,6 +51,7 @@ class MoeOptions:
     prefetch: int = 0
     subst: object = None           # a ratio in (0, 1], None: exact routing
     verify: bool = False
+    repack: bool = True            # False: no CPU repack buffers (llama.cpp's --no-repack): plain pools
 
 
 MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))

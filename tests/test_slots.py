@@ -135,6 +135,30 @@ def test_pools_holding_every_expert_run_stocks_graph(fixture_dir, name, capfd):
             llm.close()
 
 
+@pytest.mark.parametrize("name", ["qwen3moe-q4_k", "qwen3moe-q4_0"])
+def test_no_repack_is_stock_no_repack(fixture_dir, name, capfd):
+    """moe_repack=False loads as llama.cpp's --no-repack: pools of the plain layout (reads land
+    in the slots), bit-identical to stock loaded the same way, prompts in waves included."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    text = b" ".join(b"%d plain pools" % i for i in range(60))
+
+    def run(**kwargs):
+        llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, verbose=True, moe_repack=False, **kwargs)
+        try:
+            logits, tokens = greedy_logits(llm, text, 6)
+            return logits, tokens, llm.moe_stats()
+        finally:
+            llm.close()
+
+    ref, ref_tokens, _ = run()
+    capfd.readouterr()
+    got, tokens, stats = run(moe_slots=4)
+    err = capfd.readouterr().err
+    assert "CPU slot pools size" in err and "CPU_REPACK slot pools" not in err, err[-2000:]
+    assert stats["total"]["n_waves"] > stats["total"]["n_remaps"]  # the prompt ran in waves
+    assert tokens == ref_tokens and np.array_equal(got, ref), np.abs(got - ref).max()
+
+
 def test_each_expert_read_once_per_micro_batch(fixture_dir):
     """A 700-token prompt through 4 of 16 slots: per layer and micro-batch, misses never exceed
     the distinct experts it routes to (each is read once, not once per wave or per tensor), and

@@ -95,30 +95,6 @@ def _delta(after: dict | None, before: dict | None) -> dict | None:
     return out
 
 
-class _MappedWeights:
-    """Within the block, models load with llama_model_params.use_extra_bufts = False: no CPU
-    repack buffers, the weights are served from the file mapping. llama_cpp.Llama has no argument
-    for it and builds the params inside __init__, so the one function that receives them,
-    llama_model_load_from_file (as _internals.LlamaModel calls it), is wrapped."""
-
-    def __init__(self, llama_cpp_module):
-        self.module = llama_cpp_module.llama_cpp
-
-    def __enter__(self):
-        self.original = original = self.module.llama_model_load_from_file
-
-        def load(path_model, params):
-            params.use_extra_bufts = False
-            return original(path_model, params)
-
-        self.module.llama_model_load_from_file = load
-        return self
-
-    def __exit__(self, *exc):
-        self.module.llama_model_load_from_file = self.original
-        return False
-
-
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result_path = Path(spec["result"])
@@ -152,7 +128,9 @@ def child_main(spec_path: str) -> int:
     phase("load")
     t0 = time.perf_counter()
     if spec["kind"] == MMAP or spec.get("plain"):  # plain: pools of the plain layout (no CPU_REPACK)
-        with _MappedWeights(empanel_gguf.llama_cpp):
+        from empanel_gguf.llama import no_repack
+
+        with no_repack():
             llm = Llama(spec["model"], **kwargs)
     else:
         llm = Llama(spec["model"], **kwargs)

@@ -167,6 +167,9 @@ def add_moe_args(parser, moe_slots_default="auto"):
             help="routing substitution, INEXACT: a resident expert among the router's next choices stands "
                  "in for a missing one if its score is at least R x the missing one's (empanel-gguf kl "
                  "measures the cost)")
+    env_arg(parser, "--moe-repack", env="LLAMA_ARG_MOE_REPACK", type=parse_bool, default=True, metavar="on|off",
+            help="off: no CPU repack buffers, as llama.cpp's --no-repack: reads land in the slots, nothing is "
+                 "repacked; outputs equal stock loaded so, not stock's defaults")
     env_arg(parser, "--moe-profile", env="LLAMA_ARG_MOE_PROFILE", default="auto", metavar="auto|PATH|none",
             help="warm start from a calibration profile (empanel-gguf calibrate): auto uses this model "
                  "file's saved one if there is one")
@@ -197,7 +200,7 @@ def moe_options_from_args(args, trace=False):
                        moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io, moe_trace=trace,
                        moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
                        moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
-                       moe_verify=args.moe_verify, moe_profile=args.moe_profile)
+                       moe_verify=args.moe_verify, moe_profile=args.moe_profile, moe_repack=args.moe_repack)
 
 
 def plan_from_args(index, args, moe_slots, kwargs, trace=False, lora_paths=()):

@@ -219,6 +219,8 @@ def main(name, argv=None):
     parser = setup_arg_parser(name)
     ours, flags = split_args(parser, list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(ours)
+    if not args.moe_repack:  # llama.cpp's own flag for use_extra_bufts = false
+        flags = flags + (["--repack", "0"] if name == "llama-bench" else ["--no-repack"])
     try:
         path = program_path(name)
     except FileNotFoundError as e:
