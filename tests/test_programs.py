@@ -131,6 +131,20 @@ def test_llama_bench_prints_its_table_with_pools(model, tmp_path):
     assert re.search(r"empanel: \d+ hits, \d+ misses", proc.stderr), proc.stderr
 
 
+def test_programs_take_moe_repack_off_as_no_repack(model, text_file):
+    """--moe-repack off reaches llama.cpp's programs as their own flag: llama-bench's --repack 0
+    (its rpk column), the others' --no-repack; llama-perplexity over plain pools equals stock's
+    with --no-repack."""
+    proc = run_program("llama-bench", "--moe-slots", "25%", "--moe-repack", "off", "-m", model,
+                       "-p", "32", "-n", "8", "-r", "1", "-t", THREADS)
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| model"))
+    assert "rpk" in header, proc.stdout
+    paged = _ppl_values(_perplexity(model, text_file, "25%", "--moe-repack", "off"))
+    stock = _ppl_values(_perplexity(model, text_file, "none", "--no-repack"))
+    assert paged == stock
+
+
 def _perplexity(model, text_file, moe_slots, *extra):
     """llama-perplexity's output (stdout and stderr) with -c 128 -b 128."""
     proc = run_program("llama-perplexity", "--moe-slots", moe_slots, "-m", model, "-f", text_file, "-c", "128",
