@@ -185,9 +185,11 @@ class Llama(llama_cpp.Llama):
         experts = self._experts
         hosts = bool(self.rpc_servers)
 
-        def failure():
-            """Why the decode's outputs are not the model's, as the exception to raise; else None."""
-            lost = lost_servers() if hosts else []
+        def failure(decode_failed):
+            """Why the decode's outputs are not the model's, as the exception to raise; else None.
+            A host lost during a decode fails it (llama_decode returns -3, patch 0010): only a
+            failed decode asks which hosts are lost."""
+            lost = lost_servers() if hosts and decode_failed else []
             if lost:  # first: a lost host fails the expert writes too
                 return lost_error(lost)
             if experts is not None and experts.failed():
@@ -200,11 +202,11 @@ class Llama(llama_cpp.Llama):
             try:
                 result = decode(batch)
             except RuntimeError as e:
-                error = failure()
+                error = failure(True)
                 if error is not None:
                     raise error from e
                 raise
-            error = failure()  # failed without llama_decode noticing: never return its output
+            error = failure(False)  # a read failed without llama_decode noticing: never return its output
             if error is not None:
                 raise error
             return result

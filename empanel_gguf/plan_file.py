@@ -30,8 +30,8 @@ def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests
 
     index: the model (index.ModelIndex); setup: plan.PoolSetup; preload: read experts into the
     empty slots after the load; pinned: pools that hold every expert keep expert e in slot e and
-    run stock's graph (needs preload, and no orders for them); orders: {layer: (experts, LFU counts or None)} (plan.preload_orders);
-    digests: {tensor name: [n_expert] digests} (digests.load) for a verifying plan; stats_path: where
+    run stock's graph (needs preload, and no orders for them); orders: {layer: (experts, LFU
+    counts or None)} (plan.preload_orders); digests: {tensor name: [n_expert] digests} (digests.load) for a verifying plan; stats_path: where
     a program appends each load's counters (JSON lines)."""
     for shard in index.shards:
         if "\n" in str(shard.path):

@@ -169,7 +169,7 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
             # does; the lab's own policies take calls that fit: larger ones are split
             max_tokens = None if name in ENGINE_POLICIES else max(1, capacity // k)
             if ubatch:
-                max_tokens = min(max_tokens or ubatch, ubatch)
+                max_tokens = ubatch if max_tokens is None else min(max_tokens, ubatch)
             if max_tokens not in cache:
                 cache[max_tokens] = build_calls(trace, max_tokens, count)
             calls, n_split = cache[max_tokens]

@@ -749,25 +749,25 @@ uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_t
 typedef bool (*empanel_rpc_backend_failed_fn)(ggml_backend_t backend);
 
 bool llama_empanel_hosts_ok(ggml_backend_sched_t sched) {
-    ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
-    if (reg == nullptr) {
+    // called after every decode: looked up once (ggml registers its built-in backends at start;
+    // RPC servers add devices to the RPC registry, not registries of their own to look for)
+    static const ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+    static const auto failed = reg == nullptr ? nullptr :
+        (empanel_rpc_backend_failed_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_backend_failed");
+    if (failed == nullptr) {
         return true;
     }
-    auto failed = (empanel_rpc_backend_failed_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_backend_failed");
-    std::vector<ggml_backend_t> hosts; // this sched's backends on RPC hosts
+    bool synced = false;
     for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
         ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
         ggml_backend_dev_t dev = ggml_backend_get_device(backend);
-        if (dev != nullptr && ggml_backend_dev_backend_reg(dev) == reg) {
-            hosts.push_back(backend);
+        if (dev == nullptr || ggml_backend_dev_backend_reg(dev) != reg) {
+            continue; // not on an RPC host
         }
-    }
-    if (hosts.empty() || failed == nullptr) {
-        return true;
-    }
-    // the batch's last commands (its outputs among them) may still be under way
-    ggml_backend_sched_synchronize(sched);
-    for (ggml_backend_t backend : hosts) {
+        if (!synced) { // the batch's last commands (its outputs among them) may still be under way
+            ggml_backend_sched_synchronize(sched);
+            synced = true;
+        }
         if (failed(backend)) {
             return false;
         }
