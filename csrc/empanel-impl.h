@@ -4,6 +4,7 @@
 // files), reader.c (reads) and util.c (errors, clock, digest)
 
 #include "empanel.h"
+#include "llama-empanel.h"
 
 #include <limits.h>
 #include <pthread.h>
@@ -12,7 +13,7 @@
 #include <sys/types.h>
 
 #define EMPANEL_MAX_TENSORS 4           // gate, up, down, gate_up
-#define EMPANEL_ALIGN       4096        // O_DIRECT offset/length/buffer alignment, bytes
+#define EMPANEL_ALIGN       LLAMA_EMPANEL_READ_ALIGN // O_DIRECT offset/length/buffer alignment, bytes
 #define EMPANEL_STAGING     (8u << 20)  // bytes of staging for experts on their way to non-plain pools
 
 // one routed-expert tensor of a layer: its experts in the file and its pool in memory
@@ -114,7 +115,9 @@ struct empanel_read_job {
 };
 
 // one read request: file bytes [offset, offset + length) of which [skip, skip + payload) go to
-// job->dst + dst_offset
+// job->dst + dst_offset. With O_DIRECT, an in-place chunk lands its whole window at
+// job->dst + dst_offset - skip (an aligned address, the bytes around the payload being the job's
+// own room); the others land in the thread's bounce buffer and their payload is copied.
 struct empanel_chunk {
     int32_t  job;
     int32_t  file;
@@ -123,6 +126,7 @@ struct empanel_chunk {
     uint64_t skip;
     uint64_t payload;
     uint64_t dst_offset;
+    int32_t  in_place;
 };
 
 // reader threads: they and the calling thread share out the chunks of one batch
@@ -132,6 +136,8 @@ struct empanel_reader {
     uint8_t      ** bounce;       // [n_threads + 1] aligned chunk buffers (O_DIRECT); last: caller's
     uint64_t        chunk_bytes;
     int             direct;       // reads use O_DIRECT
+    int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
+                                  // the copies zero-copy reads save, measured side by side)
 
     pthread_mutex_t mutex;
     pthread_cond_t  cond_work;    // a batch is posted (or stop)
@@ -148,6 +154,7 @@ struct empanel_reader {
     atomic_int                   done;   // chunks finished
     atomic_int                   busy;   // threads working on the batch
     atomic_int                   batch_failed; // a chunk of this batch failed or was skipped
+    atomic_ullong                cpu_ns; // CPU time the threads spent on this batch
 };
 struct empanel_pool {
     pthread_mutex_t lock;   // one remap at a time
@@ -185,6 +192,7 @@ struct empanel_pool {
     int32_t                   inflight_chunks;
     uint64_t                  inflight_payload;
     uint64_t                  inflight_io_bytes;
+    uint64_t                  inflight_bounce_bytes;
     uint64_t                  inflight_t0;
 
     char notice[256];
@@ -209,9 +217,10 @@ struct empanel_pool {
     atomic_int failed;
     char       error[512];
 
-    // failpoint for tests: read requests from the fault_after-th on fail with EIO (0: never);
-    // set from EMPANEL_FAULT_READ_AFTER at init
+    // failpoint for tests: read requests from the fault_after-th on fail with EIO (0: never),
+    // fault_count of them (0: all); set from EMPANEL_FAULT_READ_AFTER / _COUNT at init
     int64_t     fault_after;
+    int64_t     fault_count;
     atomic_llong n_requests;
 };
 
@@ -222,6 +231,7 @@ void     empanel_set_error(struct empanel_pool * pool, const char * fmt, ...);
 void     empanel_format_err(char * err, size_t err_size, const char * fmt, ...);
 // CLOCK_MONOTONIC in nanoseconds
 uint64_t empanel_now_ns(void);
+uint64_t empanel_thread_cpu_ns(void); // CPU time of the calling thread
 
 // pool.c
 // slot `slot` of the layer holds nothing: host pools give its pages back
@@ -353,3 +363,6 @@ int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_laye
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
 int      empanel_read_finish (struct empanel_pool * pool);
 void     empanel_staging_free(struct empanel_pool * pool);
+// bytes of staging one expert of the tensor takes on its way to its slot (0 for plain host
+// pools): room for the expert's whole O_DIRECT window, so that it lands in place
+uint64_t empanel_staged_bytes(const struct empanel_tensor * t);

@@ -89,6 +89,8 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(read_ns,         counter, "read_seconds_total",    "Time spent reading experts.") \
     X(write_ns,        counter, "",                      "Time copying experts into device slots after the reads.") \
     X(copy_bytes,      counter, "",                      "Bytes copied host to device into slots.") \
+    X(read_cpu_ns,     counter, "read_cpu_seconds_total", "CPU time of the reads: the reader threads' and the caller's while it reads with them (copies, repacks, hashes included).") \
+    X(bounce_bytes,    counter, "",                      "Bytes the readers copied out of their O_DIRECT buffers (the rest landed in place).") \
     X(remap_ns,        counter, "remap_seconds_total",   "Time spent in the remap step.") \
     X(wait_ns,         counter, "",                      "Time the graph waited for reads (the rest of read time was hidden).") \
     X(n_waves,         counter, "",                      "Waves over all micro-batches (per micro-batch: n_waves / n_remaps).") \

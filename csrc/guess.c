@@ -42,7 +42,7 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
     }
     uint64_t staged_per_expert = 0;
     for (int32_t t = 0; t < layer->n_tensors; t++) {
-        staged_per_expert += layer->tensors[t].direct ? 0 : layer->tensors[t].expert_size;
+        staged_per_expert += empanel_staged_bytes(&layer->tensors[t]);
     }
     const uint64_t call = ++pool->call;
     int32_t n_read = 0;

@@ -128,6 +128,8 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     atomic_init(&pool->n_requests, 0);
     const char * fault = getenv("EMPANEL_FAULT_READ_AFTER");
     pool->fault_after = fault != NULL ? atoll(fault) : 0;
+    const char * fault_count = getenv("EMPANEL_FAULT_READ_COUNT");
+    pool->fault_count = fault_count != NULL ? atoll(fault_count) : 0;
     pool->n_layer      = n_layer;
     pool->n_expert     = n_expert;
     pool->policy       = policy;

@@ -2,13 +2,23 @@
 //
 // All misses of one remap are read as one batch: every expert tensor of every missing expert is
 // cut into chunks, and the reader threads and the calling thread take chunks until none is left,
-// so one expert keeps every thread (and the drive's queue) busy. With O_DIRECT each chunk is read
-// as an aligned window into the thread's bounce buffer and its payload copied into place (GGUF
-// data is only 32-byte aligned). Pools in plain host memory receive the bytes in their slots
-// directly; others (CPU_REPACK, device memory) get them from a staging buffer through
-// llama_empanel_slot_write (CPU_REPACK: by the thread that lands an expert's last chunk; device
-// memory: once the batch is read). A batch may stay in flight while the graph computes (the next
-// wave's experts): empanel_read_post starts it, empanel_read_finish waits for it.
+// so one expert keeps every thread (and the drive's queue) busy. Pools in plain host memory
+// receive the bytes in their slots directly; others (CPU_REPACK, device memory) get them from a
+// staging buffer through llama_empanel_slot_write (CPU_REPACK: by the thread that lands an
+// expert's last chunk; device memory: once the batch is read). A batch may stay in flight while
+// the graph computes (the next wave's experts): empanel_read_post starts it, empanel_read_finish
+// waits for it.
+//
+// With O_DIRECT a read is an aligned window around the payload (GGUF data is only 32-byte
+// aligned), and it lands in place, copied by no one, wherever its destination sits at the
+// payload's file offset modulo EMPANEL_ALIGN:
+// - staging: always; each expert gets room for its whole window at that phase;
+// - a plain host pool's slot: when the hook placed the pool at its tensor's phase (llama-empanel
+//   .cpp) and the expert size is a multiple of EMPANEL_ALIGN (then every expert of the tensor
+//   sits at one phase). The window's first and last blocks hold a neighbouring slot's bytes, so
+//   those two go through the bounce buffer (at most EMPANEL_ALIGN bytes of payload copied per
+//   expert); the rest lands in the slot.
+// Anything else lands in the thread's bounce buffer and its payload is copied (stats.bounce_bytes).
 
 #include "empanel-impl.h"
 
@@ -127,13 +137,18 @@ static int convert_job(struct empanel_pool * pool, const struct empanel_read_job
 static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
     struct empanel_pool * pool = reader->pool;
     const struct empanel_file * f = &pool->files[c->file];
-    if (pool->fault_after > 0 && atomic_fetch_add(&pool->n_requests, 1) + 1 >= pool->fault_after) {
+    const int64_t request = pool->fault_after > 0 ? atomic_fetch_add(&pool->n_requests, 1) + 1 : 0;
+    if (pool->fault_after > 0 && request >= pool->fault_after &&
+        (pool->fault_count <= 0 || request < pool->fault_after + pool->fault_count)) {
         empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
                           f->path, (unsigned long long) c->length, (unsigned long long) c->offset, strerror(EIO));
         return -1;
     }
     uint8_t * dst = reader->jobs[c->job].dst + c->dst_offset;
     if (reader->direct && f->fd_direct >= 0) {
+        if (c->in_place) { // the whole window, at an aligned address of the job's own
+            return pread_chunk(pool, f, f->fd_direct, dst - c->skip, c->length, c->offset, c->skip + c->payload);
+        }
         if (pread_chunk(pool, f, f->fd_direct, bounce, c->length, c->offset, c->skip + c->payload) != 0) {
             return -1;
         }
@@ -150,6 +165,7 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         if (i >= reader->n_chunks) {
             break;
         }
+        const uint64_t cpu0 = empanel_thread_cpu_ns();
         const struct empanel_chunk * c = &reader->chunks[i];
         struct empanel_read_job * job = &reader->jobs[c->job];
         if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
@@ -163,6 +179,7 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
                 atomic_store(&reader->batch_failed, 1);
             }
         }
+        atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0); // counted before it is done
         if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
             pthread_mutex_lock(&reader->mutex);
             reader->done_ns = empanel_now_ns();
@@ -216,6 +233,7 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
     reader->n_threads   = 0;
     reader->chunk_bytes = align_up(chunk_bytes > 0 ? chunk_bytes : EMPANEL_ALIGN);
     reader->direct      = 0;
+    reader->bounce_all  = getenv("EMPANEL_READ_BOUNCE") != NULL && atoi(getenv("EMPANEL_READ_BOUNCE")) != 0;
     for (int32_t i = 0; i < pool->n_files; i++) {
         reader->direct |= pool->files[i].fd_direct >= 0;
     }
@@ -293,6 +311,7 @@ static void reader_post(struct empanel_pool * pool, struct empanel_read_job * jo
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
     atomic_store(&reader->batch_failed, 0);
+    atomic_store(&reader->cpu_ns, 0);
     reader->jobs     = jobs;
     reader->chunks   = chunks;
     reader->n_chunks = n_chunks;
@@ -356,17 +375,16 @@ static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks,
     return 0;
 }
 
-// cut job j's file range into chunks; returns the number written to out
-static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_read_job * job, int32_t j,
-                           struct empanel_chunk * out, uint64_t * io_bytes) {
+// cut [from, to) of job j's window into chunks of at most chunk_bytes; returns the number written
+static int32_t cut_chunks(const struct empanel_reader * reader, const struct empanel_read_job * job, int32_t j,
+                          uint64_t from, uint64_t to, int32_t in_place, struct empanel_chunk * out,
+                          uint64_t * io_bytes, uint64_t * bounce_bytes) {
     const struct empanel_tensor * t = job->tensor;
     const uint64_t begin = t->offset + (uint64_t) job->expert * t->expert_size; // payload in the file
     const uint64_t end   = begin + t->expert_size;
-    const uint64_t first = reader->direct ? align_down(begin) : begin;
-    const uint64_t last  = reader->direct ? align_up(end)     : end;
     int32_t n = 0;
-    for (uint64_t at = first; at < last; at += reader->chunk_bytes) {
-        const uint64_t stop  = at + reader->chunk_bytes < last ? at + reader->chunk_bytes : last;
+    for (uint64_t at = from; at < to; at += reader->chunk_bytes) {
+        const uint64_t stop  = at + reader->chunk_bytes < to ? at + reader->chunk_bytes : to;
         const uint64_t p0    = at > begin ? at : begin;   // payload in this chunk: [p0, p1)
         const uint64_t p1    = stop < end ? stop : end;
         struct empanel_chunk * c = &out[n++];
@@ -377,7 +395,38 @@ static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_
         c->skip       = p0 - at;
         c->payload    = p1 - p0;
         c->dst_offset = p0 - begin;
+        c->in_place   = in_place;
         *io_bytes    += reader->direct ? c->length : c->payload;
+        *bounce_bytes += reader->direct && !in_place ? c->payload : 0;
+    }
+    return n;
+}
+
+// cut job j's file range into chunks (the header says which land in place); returns the number
+// written to out
+static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_read_job * job, int32_t j,
+                           int staged, struct empanel_chunk * out, uint64_t * io_bytes, uint64_t * bounce_bytes) {
+    const struct empanel_tensor * t = job->tensor;
+    const uint64_t begin = t->offset + (uint64_t) job->expert * t->expert_size;
+    const uint64_t end   = begin + t->expert_size;
+    int32_t n = 0;
+    if (!reader->direct) {
+        n = cut_chunks(reader, job, j, begin, end, 0, out, io_bytes, bounce_bytes);
+    } else {
+        const uint64_t first = align_down(begin);
+        const uint64_t last  = align_up(end);
+        // [lo, hi): in place. Staging has room for the whole window; a slot only for the blocks
+        // that hold nothing but its own payload
+        const uint64_t lo    = staged ? first : align_up(begin);
+        const uint64_t hi    = staged ? last  : align_down(end);
+        const int      phase = ((uint64_t) (uintptr_t) job->dst - begin) % EMPANEL_ALIGN == 0;
+        if (phase && lo < hi && !reader->bounce_all) {
+            n += cut_chunks(reader, job, j, first, lo,   0, out + n, io_bytes, bounce_bytes);
+            n += cut_chunks(reader, job, j, lo,    hi,   1, out + n, io_bytes, bounce_bytes);
+            n += cut_chunks(reader, job, j, hi,    last, 0, out + n, io_bytes, bounce_bytes);
+        } else {
+            n = cut_chunks(reader, job, j, first, last, 0, out, io_bytes, bounce_bytes);
+        }
     }
     atomic_store(&job->chunks_left, n);
     job->verify_ns = 0;
@@ -385,7 +434,11 @@ static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_
 }
 
 static int32_t chunks_per_job(const struct empanel_reader * reader, uint64_t size) {
-    return (int32_t) ((size + 2*EMPANEL_ALIGN) / reader->chunk_bytes + 2);
+    return (int32_t) ((size + 2*EMPANEL_ALIGN) / reader->chunk_bytes + 4);
+}
+
+uint64_t empanel_staged_bytes(const struct empanel_tensor * t) {
+    return t->direct ? 0 : align_up(t->expert_size) + EMPANEL_ALIGN;
 }
 
 // bytes of staging one expert of tensors [t0, t1) takes (those whose pools take no direct reads),
@@ -396,7 +449,7 @@ static void expert_needs(const struct empanel_reader * reader, const struct empa
     *max_chunks = 0;
     for (int32_t i = t0; i < t1; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
-        *staged     += t->direct ? 0 : t->expert_size;
+        *staged     += empanel_staged_bytes(t);
         *max_chunks += chunks_per_job(reader, t->expert_size);
     }
 }
@@ -419,15 +472,18 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     uint64_t staged_per_expert;
     int32_t  max_chunks_per_expert;
     expert_needs(reader, layer, t0, t1, &staged_per_expert, &max_chunks_per_expert);
-    if (reserve(pool, n * (t1 - t0), n * max_chunks_per_expert, staged_per_expert * (uint64_t) n) != 0) {
+    // (staging: plus a block to align its start)
+    if (reserve(pool, n * (t1 - t0), n * max_chunks_per_expert, staged_per_expert * (uint64_t) n + EMPANEL_ALIGN) != 0) {
         empanel_set_error(pool, "empanel: out of memory for reading %d experts", n);
         return -1;
     }
 
+    uint8_t * staging = (uint8_t *) (uintptr_t) align_up((uint64_t) (uintptr_t) pool->staging);
     int32_t  n_jobs   = 0;
     int32_t  n_chunks = 0;
-    uint64_t staged   = 0;
+    uint64_t staged   = 0; // bytes of staging taken, a multiple of EMPANEL_ALIGN
     uint64_t io_bytes = 0;
+    uint64_t bounced  = 0;
     uint64_t payload  = 0;
     for (int32_t m = 0; m < n; m++) {
         for (int32_t i = t0; i < t1; i++) {
@@ -443,13 +499,15 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
             job->dst     = empanel_slot_data(t->pool, slots[m]);
             job->convert = 0;
             job->remote_hash = 0;
-            if (!t->direct || job->dst == NULL) {
-                job->dst     = pool->staging + staged;
+            const int to_staging = !t->direct || job->dst == NULL;
+            if (to_staging) { // the window's room, the payload at its phase in the file
+                const uint64_t head = (t->offset + (uint64_t) experts[m] * t->expert_size) % EMPANEL_ALIGN;
+                job->dst     = staging + staged + head;
                 job->convert = t->host != NULL ? 1 : 2;
-                staged      += t->expert_size;
+                staged      += align_up(head + t->expert_size);
             }
             t->held[slots[m]] = -1; // being written
-            n_chunks += plan_chunks(reader, job, n_jobs, pool->chunks + n_chunks, &io_bytes);
+            n_chunks += plan_chunks(reader, job, n_jobs, to_staging, pool->chunks + n_chunks, &io_bytes, &bounced);
             payload  += t->expert_size;
             n_jobs++;
         }
@@ -461,6 +519,7 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     pool->inflight_chunks   = n_chunks;
     pool->inflight_payload  = payload;
     pool->inflight_io_bytes = io_bytes;
+    pool->inflight_bounce_bytes = bounced;
     pool->inflight_t0       = empanel_now_ns();
     reader_post(pool, pool->jobs, pool->chunks, n_chunks);
     return 0;
@@ -525,6 +584,8 @@ int empanel_read_finish(struct empanel_pool * pool) {
     layer->stats.write_ns   += empanel_now_ns() - t1;
     layer->stats.bytes_read += pool->inflight_payload;
     layer->stats.io_bytes   += pool->inflight_io_bytes;
+    layer->stats.bounce_bytes += pool->inflight_bounce_bytes;
+    layer->stats.read_cpu_ns  += atomic_load(&pool->reader.cpu_ns);
     layer->stats.n_reads    += (uint64_t) pool->inflight_chunks;
     return 0;
 }

@@ -35,6 +35,12 @@ void empanel_format_err(char * err, size_t err_size, const char * fmt, ...) {
     va_end(args);
 }
 
+uint64_t empanel_thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+}
+
 uint64_t empanel_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -15,3 +15,6 @@ LLAMA_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
 # must equal LLAMA_EMPANEL_API_VERSION in patches/files/include/llama-empanel.h
 EMPANEL_API_VERSION = 9
+
+# must equal LLAMA_EMPANEL_READ_ALIGN there: the O_DIRECT block of the sidecar's reads, bytes
+READ_ALIGN = 4096

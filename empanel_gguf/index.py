@@ -246,6 +246,14 @@ class ExpertTensor:
     def nbytes(self) -> int:
         return self.stride * self.shape[2]
 
+    @property
+    def lands_in_place(self) -> bool:
+        """Reads of its experts land in a plain pool's slots with no copy (csrc/reader.c): every
+        expert sits at one offset modulo the O_DIRECT block, i.e. the stride is a multiple of it."""
+        from ._pins import READ_ALIGN
+
+        return self.stride % READ_ALIGN == 0
+
     def expert(self, e: int) -> tuple[Path, int, int]:
         """(path, absolute offset, size in bytes) of expert e's slice of this tensor."""
         if not 0 <= e < self.shape[2]:

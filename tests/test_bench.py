@@ -128,6 +128,8 @@ def test_config_options_reach_llama():
     assert cfg.moe_slots == "25%" and cfg.moe_policy == "lfu-decay" and cfg.cap == "cap"
     assert cfg.moe_opts == {"moe_prefetch": 2, "moe_guess": False} and not cfg.plain
     (cfg,) = parse_config("empanel-25%/plain@none", top_k=8)
-    assert cfg.plain and cfg.moe_opts is None
+    assert cfg.plain and cfg.moe_opts is None and not cfg.bounce
+    (cfg,) = parse_config("empanel-25%/plain/bounce@none", top_k=8)
+    assert cfg.plain and cfg.bounce
     with pytest.raises(SystemExit, match="neither a policy"):
         parse_config("empanel-25%/fifo", top_k=8)

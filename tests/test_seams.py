@@ -119,6 +119,17 @@ def test_counters_are_declared_once():
         assert not listing.search(path.read_text()), f"{path} lists the counters again"
 
 
+def test_pins_equal_the_hook_header():
+    """_pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
+    plain pools are placed by) are the header's."""
+    from empanel_gguf import _pins
+
+    header = (REPO / "patches" / "files" / "include" / "llama-empanel.h").read_text()
+    defines = dict(re.findall(r"#define (LLAMA_EMPANEL_\w+) (\d+)", header))
+    assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == _pins.EMPANEL_API_VERSION
+    assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == _pins.READ_ALIGN
+
+
 def test_policies_are_declared_once():
     from empanel_gguf import _native
     from empanel_gguf.header import ENGINE_POLICIES, policy_id

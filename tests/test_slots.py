@@ -157,6 +157,8 @@ def test_no_repack_is_stock_no_repack(fixture_dir, name, capfd):
     assert "CPU slot pools size" in err and "CPU_REPACK slot pools" not in err, err[-2000:]
     assert stats["total"]["n_waves"] > stats["total"]["n_remaps"]  # the prompt ran in waves
     assert tokens == ref_tokens and np.array_equal(got, ref), np.abs(got - ref).max()
+    if name == "qwen3moe-q4_k":  # 36 KiB experts: all but the window's edge blocks land in the slots
+        assert stats["total"]["bounce_bytes"] <= stats["total"]["bytes_read"] // 9
 
 
 def test_each_expert_read_once_per_micro_batch(fixture_dir):

@@ -628,6 +628,41 @@ def test_read_failure_inside_waves_raises_and_rolls_back(fixture_dir, share):
     assert failed["n_tokens"] == 0  # the micro-batch's tokens were rolled back
 
 
+@pytest.mark.parametrize("name, repack", [("qwen3moe-q4_k", False), ("qwen3moe-q4_k", True), ("qwen3moe-f32", True)])
+def test_failed_read_into_slots_leaves_them_empty(fixture_dir, monkeypatch, name, repack):
+    """Reads that land in place (a plain pool's slots, repacking's staging) and fail: the eval
+    raises MoeReadError and takes in no token, and no slot is left marked as holding an expert
+    it lacks: once the failing requests are spent, the same prompt gives the clean run's logits
+    (a slot that claimed bytes it never got would change them)."""
+    path = model(fixture_dir, name)
+    text = b" ".join(b"%d landed in place" % i for i in range(40))
+
+    def run(llm):
+        llm.reset()
+        llm.eval(llm.tokenize(text))
+        return np.array(llm.scores[: llm.n_tokens])
+
+    llm = Llama(str(path), moe_slots="25%", moe_repack=repack, n_ctx=1024, logits_all=True, verbose=False)
+    try:
+        clean = run(llm)
+    finally:
+        llm.close()
+    monkeypatch.setenv("EMPANEL_FAULT_READ_COUNT", "1")
+    for after in (1, 2, 3):  # a window's edge block (bounced) or its middle (in place)
+        monkeypatch.setenv("EMPANEL_FAULT_READ_AFTER", str(after))
+        llm = Llama(str(path), moe_slots="25%", moe_repack=repack, n_ctx=1024, logits_all=True, verbose=False,
+                    moe_preload=False)
+        try:
+            with pytest.raises(MoeReadError, match="EMPANEL_FAULT_READ_AFTER"):
+                run(llm)
+            assert llm.n_tokens == 0
+            again = run(llm)
+            assert llm.moe_stats()["total"]["misses"] > 0
+        finally:
+            llm.close()
+        assert np.array_equal(again, clean), after
+
+
 # ------------------------------------------------------------------------------------------------
 # 6. the guard's contract: the estimate is not below what the load really holds
 

@@ -95,6 +95,8 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         env = dict(os.environ)  # the child measures the very package this process uses
         pkg_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if cfg.bounce:
+            env["EMPANEL_READ_BOUNCE"] = "1"
         t0 = time.perf_counter()
         jiffies0, self0 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
         with open(log_path, "wb") as out:
@@ -205,6 +207,9 @@ def sample_metrics(s: dict) -> dict:
             m[f"{ph}_read_ms"] = 1000 * read_s / n
             if "write_s" in moe:
                 m[f"{ph}_write_ms"] = 1000 * moe["write_s"] / n
+            # the readers' CPU (reads, copies out of bounce buffers, repacks, hashes) and copies
+            m[f"{ph}_read_cpu_ms"] = 1000 * moe.get("read_cpu_s", 0) / n
+            m[f"{ph}_bounce_per_tok"] = moe.get("bounce_bytes", 0) / n
             m[f"{ph}_compute_ms"] = 1000 * (sec - moe.get("remap_s", 0)) / n
             remaps = moe.get("n_remaps", 0)
             m[f"{ph}_waves"] = moe.get("n_waves", 0) / remaps if remaps else None  # per layer, micro-batch

@@ -39,6 +39,11 @@ def format_summary(index: ModelIndex) -> str:
         lines.append("no routed expert tensors (blk.N.ffn_*_exps.weight): not a MoE model")
         return "\n".join(lines) + "\n"
 
+    tensors = [t for layer in index.layers for t in layer.tensors.values()]
+    in_place = sum(t.lands_in_place for t in tensors)
+    lines.append(f"reads in place  {in_place} of {len(tensors)} expert tensors (expert size a multiple of "
+                 "the O_DIRECT block): reads land in plain pools' slots uncopied, the rest through a bounce buffer")
+
     # One row per MoE layer: kinds, their types, bytes of one expert (all kinds), expert-0 offsets.
     multi_shard = len(index.shards) > 1
     header = ["layer", "kinds", "types", "expert bytes", "expert 0 offsets"]

@@ -16,6 +16,10 @@ extern "C" {
 // bumped whenever a function below changes; empanel-gguf refuses a library with another version
 #define LLAMA_EMPANEL_API_VERSION 9
 
+// the O_DIRECT block of the sidecar's reads, bytes: plain host pools are placed at their file
+// offset modulo this so that reads land in their slots
+#define LLAMA_EMPANEL_READ_ALIGN 4096
+
     LLAMA_API int32_t      llama_empanel_api_version(void);
 
     // the llama.cpp commit this library was built from (set by the empanel-gguf build)

@@ -20,8 +20,9 @@ using llama_empanel_ctxs_bufs = std::vector<std::pair<ggml_context_ptr, std::vec
 // loader: the plan of the load running on this thread pages some layer
 bool llama_empanel_plan_active();
 
-// loader: slots for this tensor of the current load if it is a paged routed-expert weight, else 0
-int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta);
+// loader: slots for this tensor of the current load if it is a paged routed-expert weight, else 0;
+// file_offset: where its data starts in its file (bytes), the phase its pool is placed at
+int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta, size_t file_offset);
 
 // loader: remember a resident routed-expert weight of a layer the plan observes (n_slots < 0)
 void llama_empanel_observe(ggml_tensor * t);

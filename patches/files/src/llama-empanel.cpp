@@ -91,6 +91,8 @@ struct llama_empanel_load {
     std::map<int32_t, ggml_tensor *> routers, router_biases, probs_biases; // il -> tensor
 
     std::map<ggml_backend_buffer_type_t, ggml_context_ptr> pool_ctxs;
+    std::map<std::string, size_t>                          phase;    // pool name -> its data's file offset
+                                                                     // modulo LLAMA_EMPANEL_READ_ALIGN (bytes)
     std::vector<ggml_tensor *>                             observed; // resident weights of observed layers
 };
 
@@ -188,7 +190,7 @@ static int32_t empanel_expert_weight_layer(const char * name) {
     return -1;
 }
 
-int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta) {
+int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta, size_t file_offset) {
     if (!g_load) {
         return 0;
     }
@@ -199,7 +201,8 @@ int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta) {
     if (ggml_n_dims(meta) != 3) {
         throw std::runtime_error(format("empanel: routed-expert tensor %s is not 3-D", name));
     }
-    g_load->n_expert = (int32_t) meta->ne[2];
+    g_load->n_expert    = (int32_t) meta->ne[2];
+    g_load->phase[name] = file_offset % LLAMA_EMPANEL_READ_ALIGN;
     return g_load->n_slots[il];
 }
 
@@ -250,6 +253,36 @@ static bool empanel_buffer_in_host_memory(ggml_backend_buffer_t buf) {
     return ggml_backend_buffer_is_host(buf) || cpu;
 }
 
+// pools in plain host memory: each pool's data at its file offset modulo the O_DIRECT block, so
+// that the sidecar's reads land in its slots with no copy (csrc/reader.c); a block more per pool
+static ggml_backend_buffer_t empanel_alloc_at_phase(ggml_context * ctx, ggml_backend_buffer_type_t buft) {
+    const size_t block = LLAMA_EMPANEL_READ_ALIGN;
+    const size_t align = ggml_backend_buft_get_alignment(buft);
+    auto phase_of = [&](const ggml_tensor * t) {
+        auto it = g_load->phase.find(ggml_get_name(t));
+        return it != g_load->phase.end() && it->second % align == 0 ? it->second : 0;
+    };
+    size_t size = 0; // from the first block boundary of the buffer
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+        size = GGML_PAD(size, block) + phase_of(t) + ggml_backend_buft_get_alloc_size(buft, t);
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, size + block);
+    if (buf == nullptr) {
+        return nullptr;
+    }
+    char * base = (char *) ggml_backend_buffer_get_base(buf);
+    char * at   = base;
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+        at = (char *) GGML_PAD((uintptr_t) at, block) + phase_of(t);
+        if (ggml_backend_tensor_alloc(buf, t, at) != GGML_STATUS_SUCCESS) {
+            ggml_backend_buffer_free(buf);
+            return nullptr;
+        }
+        at += ggml_backend_buft_get_alloc_size(buft, t);
+    }
+    return buf;
+}
+
 void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs) {
     if (!g_load || (g_load->pool_ctxs.empty() && g_load->observed.empty())) {
         return;
@@ -284,7 +317,8 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
                 t->buffer = buf;
             }
         } else {
-            buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+            buf = ggml_backend_buft_is_host(buft) ? empanel_alloc_at_phase(ctx, buft)
+                                                  : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
             if (buf == nullptr) {
                 throw std::runtime_error(format("empanel: unable to allocate the %s slot pools", ggml_backend_buft_name(buft)));
             }
