@@ -125,3 +125,15 @@ int32_t empanel_offload_devices(void) {
     }
     return n;
 }
+
+int32_t empanel_unified_devices(void) {
+    int32_t n = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+        const char * reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
+        n += type == GGML_BACKEND_DEVICE_TYPE_IGPU ||
+             (type == GGML_BACKEND_DEVICE_TYPE_GPU && reg != NULL && strcmp(reg, "MTL") == 0); // Apple: unified
+    }
+    return n;
+}

@@ -109,6 +109,8 @@ struct empanel_read_job {
     uint8_t  * dst;         // the slot itself (direct) or staging
     int        convert;     // 1: staging -> slot by the reader thread that reads the last chunk
                             //    (host pools: CPU_REPACK); 2: by the caller after the batch (device)
+    int        tier;        // host-RAM tier (host_cache.c): 0 none; 1 read into its entry (dst);
+                            // 2 its entry holds the bytes already: nothing to read (a host hit)
     atomic_int chunks_left;
     uint64_t   verify_ns;   // time its thread took to hash it (moe_verify)
     uint64_t   remote_hash; // RPC pools: FNV-1a of the bytes read, taken by the thread landing them
@@ -127,6 +129,24 @@ struct empanel_chunk {
     uint64_t payload;
     uint64_t dst_offset;
     int32_t  in_place;
+};
+
+// the host-RAM tier of device pools (host_cache.c): n_entries experts of entry_bytes each
+struct empanel_host_cache {
+    uint8_t  * raw;          // the allocation (pinned host memory where the device offers it)
+    void     * buffer;       // its backend buffer, or NULL (malloc)
+    uint8_t  * base;         // raw, aligned to EMPANEL_ALIGN
+    uint64_t   entry_bytes;  // one expert: every tiered tensor's O_DIRECT window
+    int32_t    n_entries;    // 0: no tier
+    int32_t  * layer_of;     // [n_entries] layer of the expert the entry is for, -1: none
+    int32_t  * expert_of;    // [n_entries]
+    uint8_t  * held;         // [n_entries] bit per tensor of the layer: its bytes are in the entry
+    uint64_t * batch;        // [n_entries] the read batch that last used the entry
+    int32_t  * prev;         // [n_entries] recency list, least recent first
+    int32_t  * next;         // [n_entries]
+    int32_t    lru_head;
+    int32_t    lru_tail;
+    int32_t  * entry_of;     // [n_layer * n_expert] entry of (layer, expert), -1: none
 };
 
 // reader threads: they and the calling thread share out the chunks of one batch
@@ -174,6 +194,8 @@ struct empanel_pool {
     int32_t   prefetch;     // paged layers ahead whose guessed misses are read
     float     subst_ratio;  // routing substitution: a stand-in's share of the missing expert's score; 0: off
     struct empanel_reader reader;
+    struct empanel_host_cache host_cache;
+    uint64_t  n_batches_posted; // read batches so far: the host tier's batch stamp
 
     // scratch of one remap: jobs, chunks, staging for non-direct pools
     struct empanel_read_job * jobs;
@@ -317,6 +339,7 @@ struct empanel_plan {
     int32_t  subst_alt;
     int      preload;
     int      pinned;    // pools that hold every expert run stock's graph (llama_empanel_set_pinned)
+    uint64_t host_cache_bytes; // the host-RAM tier of device pools (host_cache.c), 0: none
     int32_t * n_slots;                          // [n_layer]
     char   ** paths;                            // [n_paths] the shards
     int32_t   n_paths;
@@ -363,6 +386,19 @@ int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_laye
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
 int      empanel_read_finish (struct empanel_pool * pool);
 void     empanel_staging_free(struct empanel_pool * pool);
+// host_cache.c
+// the tier of moe_host_cache bytes for the pools in device memory (after every pool is bound); 0, or
+// -1 with the reason in err
+int      empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * err, size_t err_size);
+void     empanel_host_cache_free(struct empanel_pool * pool);
+// where tensor ti of (layer, expert) sits in the tier, taking an entry for it if it has none
+// (the least recently used one, not taken by this read batch); *hit: its bytes are there. NULL:
+// no tier for the tensor, or no entry free for this batch
+uint8_t * empanel_host_cache_get(struct empanel_pool * pool, struct empanel_layer * layer, int32_t ti,
+                                 int32_t expert, uint64_t batch, int * hit);
+// the read of tensor ti of (layer, expert) into its entry succeeded (ok) or failed
+void     empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_layer * layer, int32_t ti,
+                                   int32_t expert, int ok);
 // bytes of staging one expert of the tensor takes on its way to its slot (0 for plain host
 // pools): room for the expert's whole O_DIRECT window, so that it lands in place
 uint64_t empanel_staged_bytes(const struct empanel_tensor * t);

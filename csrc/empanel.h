@@ -105,6 +105,8 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(verified,        counter, "",                      "Expert tensors read whose bytes were checked against a digest.") \
     X(verify_ns,       counter, "",                      "Time the reader threads spent hashing (summed over threads).") \
     X(remote_by_hash,  counter, "",                      "Expert tensors an RPC host wrote from its cache, asked by hash.") \
+    X(host_hits,       counter, "host_hits_total",       "Expert tensors written into device slots from the host-RAM tier, not read from the drive.") \
+    X(host_bytes,      counter, "",                      "Bytes of those.") \
     X(device_syncs,    counter, "device_syncs_total",    "Graph calls (remaps, guesses) that wait for a device or RPC host holding the pools.") \
     X(n_slots,         gauge,   "slots",                 "Expert slots of the layer's pool.") \
     X(n_resident,      gauge,   "slots_resident",        "Slots holding an expert.")
@@ -237,6 +239,8 @@ EMPANEL_API int32_t empanel_sidecar_version(void);
 
 // devices llama.cpp can offload layers to (GPUs, and the devices of registered RPC servers)
 EMPANEL_API int32_t empanel_offload_devices(void);
+// of those, the ones that share host memory (integrated GPUs, Apple's Metal): moe_host_cache's rule
+EMPANEL_API int32_t empanel_unified_devices(void);
 
 // ggml's RPC backend (csrc/rpc.c): 1 if this build has it
 EMPANEL_API int32_t empanel_rpc_supported(void);

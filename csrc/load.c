@@ -139,6 +139,9 @@ int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model *
         }
         load->n_masked += llama_empanel_pool_masked(pool_tensor) ? 1 : 0;
     }
+    if (load->plan.host_cache_bytes > 0 && empanel_host_cache_init(load->pool, load->plan.host_cache_bytes, err, err_size) != 0) {
+        return -1;
+    }
     for (int32_t i = 0; i < load->plan.n_orders; i++) {
         const struct empanel_plan_order * o = &load->plan.orders[i];
         if (empanel_pool_preload_order(load->pool, o->layer, o->experts, o->uses, o->n) != 0) {

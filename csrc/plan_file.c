@@ -3,7 +3,7 @@
 // the Python process. Both then go through load.c.
 //
 // One record per line, fields separated by one space, a path always last (it may hold spaces).
-// Every record is required except pin, order, digests and stats (and tensor when no layer is paged:
+// Every record is required except pin, host-cache, order, digests and stats (and tensor when no layer is paged:
 // a load that only traces routing), and `end` closes it (a truncated plan is refused).
 //
 //   empanel-plan <version>
@@ -16,6 +16,8 @@
 //   preload <0|1>
 //   pin <0|1>                                     optional: pools that hold every expert run stock's
 //                                                 graph (expert e in slot e; needs preload 1)
+//   host-cache <bytes>                            optional: the host-RAM tier of device pools
+//                                                 (host_cache.c); 0 or absent: none
 //   slots <n_slots of layer 0> ... <of layer n_layer-1>
 //   tensor <layer> <file> <offset> <expert_size> <name>
 //   order <layer> <n> <expert>... <n_uses: 0 or n> <uses>...
@@ -249,6 +251,12 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
     }
     if (strcmp(kind, "pin") == 0) {
         if (field_i32(r, &plan->pinned, 0, 1) != 0) {
+            goto bad;
+        }
+        goto fixed;
+    }
+    if (strcmp(kind, "host-cache") == 0) {
+        if (field_u64(r, &plan->host_cache_bytes, 10) != 0) {
             goto bad;
         }
         goto fixed;

@@ -308,6 +308,7 @@ void empanel_pool_free(struct empanel_pool * pool) {
     free(pool->jobs);
     free(pool->chunks);
     empanel_staging_free(pool);
+    empanel_host_cache_free(pool);
     free(pool->trace);
     free(pool->lru_prev);
     free(pool->lru_next);

@@ -479,6 +479,7 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     }
 
     uint8_t * staging = (uint8_t *) (uintptr_t) align_up((uint64_t) (uintptr_t) pool->staging);
+    const uint64_t batch = ++pool->n_batches_posted;
     int32_t  n_jobs   = 0;
     int32_t  n_chunks = 0;
     uint64_t staged   = 0; // bytes of staging taken, a multiple of EMPANEL_ALIGN
@@ -500,14 +501,27 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
             job->convert = 0;
             job->remote_hash = 0;
             const int to_staging = !t->direct || job->dst == NULL;
-            if (to_staging) { // the window's room, the payload at its phase in the file
+            int tier_hit = 0;
+            uint8_t * tier = t->host == NULL ? empanel_host_cache_get(pool, layer, i, experts[m], batch, &tier_hit) : NULL;
+            job->tier = tier == NULL ? 0 : tier_hit ? 2 : 1;
+            if (tier != NULL) { // device pools with a host tier: read into the entry, written from it
+                job->dst     = tier;
+                job->convert = 2;
+            } else if (to_staging) { // the window's room, the payload at its phase in the file
                 const uint64_t head = (t->offset + (uint64_t) experts[m] * t->expert_size) % EMPANEL_ALIGN;
                 job->dst     = staging + staged + head;
                 job->convert = t->host != NULL ? 1 : 2;
                 staged      += align_up(head + t->expert_size);
             }
             t->held[slots[m]] = -1; // being written
-            n_chunks += plan_chunks(reader, job, n_jobs, to_staging, pool->chunks + n_chunks, &io_bytes, &bounced);
+            if (job->tier == 2) { // written from the tier at the finish, nothing to read
+                atomic_store(&job->chunks_left, 0);
+                job->verify_ns = 0;
+                n_jobs++;
+                continue;
+            }
+            n_chunks += plan_chunks(reader, job, n_jobs, to_staging || tier != NULL, pool->chunks + n_chunks,
+                                    &io_bytes, &bounced);
             payload  += t->expert_size;
             n_jobs++;
         }
@@ -535,6 +549,18 @@ int empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * l
     return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n) : 0;
 }
 
+// the batch's reads into host-tier entries: held there if it succeeded, else not
+static void tier_landed(struct empanel_pool * pool, int ok) {
+    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
+        const struct empanel_read_job * job = &pool->jobs[j];
+        if (job->tier == 1) {
+            const struct empanel_tensor * t = job->tensor;
+            const struct empanel_layer  * layer = pool->inflight_layer;
+            empanel_host_cache_landed(pool, layer, (int32_t) (t - layer->tensors), job->expert, ok);
+        }
+    }
+}
+
 int empanel_read_finish(struct empanel_pool * pool) {
     if (!pool->inflight) {
         return 0;
@@ -546,6 +572,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
 
     struct empanel_layer * layer = pool->inflight_layer;
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
+        tier_landed(pool, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
@@ -559,17 +586,23 @@ int empanel_read_finish(struct empanel_pool * pool) {
                 return -1;
             }
         } else if (convert_job(pool, job) != 0) {
+            tier_landed(pool, 0);
             return -1;
         } else {
             layer->stats.copy_bytes += job->tensor->expert_size;
+            layer->stats.host_hits  += job->tier == 2;
+            layer->stats.host_bytes += job->tier == 2 ? job->tensor->expert_size : 0;
         }
     }
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
+        tier_landed(pool, 0);
         return -1; // a reader thread's conversion failed
     }
     if (empanel_files_check(pool) != 0) {
+        tier_landed(pool, 0);
         return -1; // written to while we read: the bytes may be torn
     }
+    tier_landed(pool, 1); // the host tier's entries hold what was read
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
         const struct empanel_read_job * job = &pool->jobs[j];
         job->tensor->held[job->slot] = job->expert;

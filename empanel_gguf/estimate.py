@@ -93,22 +93,25 @@ class Estimate:
     kv_per_token: int = 0
     notes: list = field(default_factory=list)
     params: dict = field(default_factory=dict)  # estimate()'s keyword arguments, to re-estimate
+    host_cache: int = 0  # moe_host_cache: the host-RAM tier of device pools (host memory only)
 
     @property
     def total(self) -> int:
-        return self.weights + self.experts + self.kv + self.compute
+        return self.weights + self.experts + self.kv + self.compute + self.host_cache
 
     @property
     def host(self) -> int:
         """Bytes expected in host memory."""
         offloadable = self.weights + self.experts + self.kv
-        return int(offloadable * self.host_share) + self.compute
+        return int(offloadable * self.host_share) + self.compute + self.host_cache
 
     def describe(self) -> str:
         experts = "expert pools" if self.pooled else "all experts"
         text = (f"{format_bytes(self.weights)} weights + {format_bytes(self.experts)} {experts} + "
                 f"{format_bytes(self.kv)} KV cache (n_ctx {self.n_ctx}) + {format_bytes(self.compute)} "
                 f"compute = {format_bytes(self.total)}")
+        if self.host_cache:
+            text += f", + {format_bytes(self.host_cache)} host tier"
         if self.host_share < 1.0:
             text += f", {format_bytes(self.host)} of it in host memory"
         return text
@@ -191,6 +194,26 @@ def set_offload_probe(probe):
     device; a build with the RPC backend but no servers keeps every layer here)."""
     global _offload_probe
     _offload_probe = probe
+
+
+# offload devices with unified memory (integrated GPUs, Metal): set by the drop-in like the probe above
+_unified_probe = None
+
+
+def set_unified_probe(probe):
+    """probe() -> how many of the devices layers can offload to share host memory (an integrated
+    GPU as ggml marks it, Apple's Metal)."""
+    global _unified_probe
+    _unified_probe = probe
+
+
+def unified_devices():
+    if _unified_probe is None:
+        return 0
+    try:
+        return int(_unified_probe())
+    except Exception:  # the estimate must not fail on a missing library
+        return 0
 
 
 def _supports_gpu_offload():

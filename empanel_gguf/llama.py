@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 from ._native import use_our_libraries
-from .estimate import set_offload_probe
+from .estimate import set_offload_probe, set_unified_probe
 from .format import format_bytes
 from .index import ModelError, load_index
 from .plan import moe_options, plan_load, print_notices
 from .pools import ExpertPools, MoeReadError
-from .rpc import lost_error, lost_servers, offload_devices
+from .rpc import lost_error, lost_servers, offload_devices, unified_devices
 from .rpc import use_servers as use_rpc_servers
 from .rpc import wire_counts as rpc_wire_counts
 from .sizing import DEFAULT_POLICY
@@ -27,6 +27,7 @@ from .stats import summary_line
 
 llama_cpp = use_our_libraries()
 set_offload_probe(lambda: offload_devices() > 0)  # the estimate's question, answered by this build
+set_unified_probe(unified_devices)  # moe_host_cache's: do the offload devices share host memory
 
 __all__ = ["Llama", "MoeReadError"]
 
@@ -77,6 +78,12 @@ class Llama(llama_cpp.Llama):
             (use_extra_bufts=False), pools included: reads land in the slots, nothing is repacked.
             Outputs then equal stock loaded the same way, not stock's defaults (other kernels).
             Default True. Measured faster with paged layers on a 2-core CPU: docs/performance.md.
+        moe_host_cache: a host-RAM tier for pools in device memory (layers offloaded to a GPU), as
+            a size ("16GiB") or bytes: experts the pools read stay in host memory (pinned where the
+            backend offers it), and a miss is written from there before the drive is asked. None
+            (default): no tier. Refused where the pools are in host memory already, and on a
+            unified-memory device (an integrated GPU, Metal), where it would hold every cached expert
+            twice, unless moe_host_cache_unified=True. moe_stats() counts host_hits and host_bytes.
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
@@ -95,7 +102,8 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
-                 moe_verify=False, moe_repack=True, rpc_servers=None, moe_load=None, **kwargs):
+                 moe_verify=False, moe_repack=True, moe_host_cache=None, moe_host_cache_unified=False,
+                 rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
         unknown = [key for key in kwargs if key.startswith("moe_")]
         if unknown:  # llama_cpp.Llama would swallow a misspelt option and load stock
@@ -107,7 +115,8 @@ class Llama(llama_cpp.Llama):
                                   moe_direct_io=moe_direct_io, moe_trace=moe_trace, moe_preload=moe_preload,
                                   moe_resident_layers=moe_resident_layers, moe_profile=moe_profile,
                                   moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
-                                  moe_verify=moe_verify, moe_repack=moe_repack)
+                                  moe_verify=moe_verify, moe_repack=moe_repack, moe_host_cache=moe_host_cache,
+                                  moe_host_cache_unified=moe_host_cache_unified)
             moe_load = _plan(model_path, moe_slots, options, kwargs)
             print_notices(moe_load.warnings)  # whatever verbose is: a damaged cache file is never silent
             print_notices(moe_load.notes, verbose)

@@ -21,13 +21,13 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .estimate import Estimate, estimate, model_shape
+from .estimate import Estimate, estimate, model_shape, unified_devices
 from .format import format_bytes
 from .guard import check, max_slots_that_fit
 from .header import ENGINE_POLICIES, policy_id
 from .host_memory import available_memory, default_floor
 from .index import adapter_expert_tensors
-from .sizing import DEFAULT_POLICY, SlotPlan, plan_slots
+from .sizing import DEFAULT_POLICY, SlotPlan, parse_size, plan_slots
 
 # the Llama arguments the estimate reads, with llama-cpp-python's defaults
 # (gpu_offload: whether n_gpu_layers can offload; None: ask the build and its devices)
@@ -52,6 +52,8 @@ class MoeOptions:
     subst: object = None           # a ratio in (0, 1], None: exact routing
     verify: bool = False
     repack: bool = True            # False: no CPU repack buffers (llama.cpp's --no-repack): plain pools
+    host_cache: object = None      # the host-RAM tier of device pools: bytes or a size ("8GiB"); None: none
+    host_cache_unified: bool = False  # keep the tier on a unified-memory device anyway
 
 
 MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))
@@ -70,6 +72,29 @@ def moe_options(**moe_kwargs) -> MoeOptions:
     return MoeOptions(**values)
 
 
+def host_cache_bytes(host_cache, est, unified_devices=0, allow_unified=False) -> int:
+    """moe_host_cache -> bytes of the host-RAM tier (0: none). The tier keeps experts that device
+    pools read in host memory, so it needs pools in device memory (layers offloaded with
+    n_gpu_layers), and on a unified-memory device (an integrated GPU, Metal) the "device" memory is
+    host memory already: the tier would hold every cached expert twice and swap, so it is refused
+    there unless allow_unified. ValueError says why."""
+    if host_cache is None or host_cache == 0:
+        return 0
+    size = host_cache if isinstance(host_cache, int) and not isinstance(host_cache, bool) else \
+        parse_size(str(host_cache))
+    if size is None or size <= 0:
+        raise ValueError(f"moe_host_cache={host_cache!r}: give a size (\"8GiB\") or a number of bytes")
+    if est.host_share >= 1.0:
+        raise ValueError(f"moe_host_cache={host_cache!r}: the pools are in host memory (no layer is offloaded to a "
+                         "GPU: n_gpu_layers=0, or a build without one), where a host tier adds nothing; give the "
+                         "memory to moe_slots instead")
+    if unified_devices and not allow_unified:
+        raise ValueError(f"moe_host_cache={host_cache!r}: the GPU shares host memory (an integrated GPU or Apple "
+                         "Metal): a host tier would hold every cached expert twice and swap; give the memory to "
+                         "moe_slots instead, or moe_host_cache_unified=True (--moe-host-cache-unified) to keep it")
+    return int(size)
+
+
 @dataclass
 class PoolSetup:
     """What the sidecar's pools of one load are made of (checked arguments, no C objects)."""
@@ -78,6 +103,7 @@ class PoolSetup:
     params: dict            # struct empanel_pool_params, field by field
     guess_depth: int        # paged layers ahead that the gate-ahead guess looks (0: none)
     subst: object           # moe_subst ratio, None: exact routing
+    host_cache: int = 0     # bytes of the host-RAM tier of device pools (moe_host_cache), 0: none
 
 
 def pool_setup(index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True, trace=False,
@@ -239,6 +265,10 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     if plan is not None:
         notes += plan.notices
         notes.append(_slots_line(index, plan))
+        est.host_cache = host_cache_bytes(options.host_cache, est, unified_devices(), options.host_cache_unified)
+        if est.host_cache:
+            notes.append(f"host tier: {format_bytes(est.host_cache)} of host memory keeps experts the device pools "
+                         "read; a miss is served from it before the drive")
     notes += est.notes
     if guard:
         check(est, index, plan, available=available, floor=floor, force=force, what=what)
@@ -250,6 +280,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     load.pools = pool_setup(index, plan, options.policy, options.io_threads, options.chunk_kb, options.direct_io,
                             options.trace, options.guess, options.prefetch, options.subst,
                             options.verify and plan is not None)
+    load.pools.host_cache = est.host_cache
     if plan is None:
         return load  # the routing is traced, every expert resident
     for path in lora_paths:

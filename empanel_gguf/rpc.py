@@ -102,3 +102,8 @@ def wire_counts():
 def offload_devices():
     """Devices llama.cpp can offload layers to: GPUs, and registered RPC servers' devices."""
     return int(native().sidecar.empanel_offload_devices())
+
+
+def unified_devices():
+    """Of those, the ones that share host memory: integrated GPUs as ggml marks them, Metal."""
+    return int(native().sidecar.empanel_unified_devices())

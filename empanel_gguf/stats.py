@@ -59,6 +59,8 @@ def summary_line(stats):
             f"{t['bytes_read'] / 2**20:.1f} MiB read in {t['read_s']:.3f} s ({t['read_gbps']:.2f} GB/s), "
             f"{t['remap_s']:.3f} s in remap"
             + (f", {t['remote_by_hash']} expert tensors written by RPC hosts from their caches" if t["remote_by_hash"] else "")
+            + (f", {t['host_hits']} expert tensors ({t['host_bytes'] / 2**20:.1f} MiB) from the host tier"
+               if t["host_hits"] else "")
             + (f", {t['wire_sent'] / 2**20:.1f} MiB sent to RPC hosts ({t['copy_bytes'] / 2**20:.1f} MiB of experts)"
                if "wire_sent" in t else ""))
 

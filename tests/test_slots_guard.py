@@ -805,3 +805,35 @@ def test_read_failure_while_reading_ahead_raises(fixture_dir):
     failed = _child_json(_PREFETCH_FAULT_SCRIPT, path, int(0.8 * ok["n_reads"]))
     assert failed["raised"] is not None and "EMPANEL_FAULT_READ_AFTER" in failed["raised"]
     assert failed["n_tokens"] == failed["before"]
+
+
+def test_host_tier_rule():
+    """moe_host_cache's rule: a size for pools in device memory; refused (saying why) where the
+    pools are in host memory, and on a unified-memory device unless moe_host_cache_unified."""
+    from empanel_gguf.estimate import Estimate
+    from empanel_gguf.plan import host_cache_bytes
+
+    def est(host_share):
+        return Estimate(weights=1, experts=1, kv=1, compute=1, host_share=host_share, n_ctx=512, pooled=True)
+
+    assert host_cache_bytes(None, est(0.0)) == 0
+    assert host_cache_bytes("2GiB", est(0.0)) == 2 << 30
+    assert host_cache_bytes(1 << 20, est(0.25)) == 1 << 20
+    with pytest.raises(ValueError, match="pools are in host memory"):
+        host_cache_bytes("2GiB", est(1.0))
+    with pytest.raises(ValueError, match="shares host memory"):
+        host_cache_bytes("2GiB", est(0.0), unified_devices=1)
+    assert host_cache_bytes("2GiB", est(0.0), unified_devices=1, allow_unified=True) == 2 << 30
+    with pytest.raises(ValueError, match="give a size"):
+        host_cache_bytes("lots", est(0.0))
+    # the estimate and the guard count it, in host memory
+    e = est(0.0)
+    e.host_cache = 3 << 30
+    assert e.host == 1 + (3 << 30) and "host tier" in e.describe()
+
+
+def test_host_tier_refused_on_a_cpu_build(fixture_dir):
+    """On this build the pools are in host memory: moe_host_cache is refused, saying why."""
+    path = model(fixture_dir, "qwen3moe-f16")
+    with pytest.raises(ValueError, match="pools are in host memory"):
+        Llama(str(path), moe_slots=4, moe_host_cache="64MiB", verbose=False)

@@ -213,3 +213,56 @@ def test_read_failure_on_device_pools_raises_with_no_logits(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("RAISED") == 3 and "HEALTHY" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_host_tier_serves_device_misses_bit_identical(tmp_path):
+    """moe_host_cache on Vulkan device pools: experts the pools read stay in host memory, and a
+    later miss is written to its slot from there, not read again. A prompt that runs in waves
+    and 8 greedy tokens give the logits of the same build without slots; with a tier that holds
+    every expert the second pass of the prompt reads nothing from the drive; with a tier of half the
+    experts some misses come from it, the others from the drive."""
+    code = textwrap.dedent("""
+        import json, sys
+        import numpy as np
+        from empanel_gguf import Llama, fixtures
+        from empanel_gguf.exactness import greedy_logits
+        TEXT = b" ".join(b"%d: the %s fox, the tier, the lazy dog." % (i, b"quick" if i % 3 else b"slow")
+                         for i in range(120))
+        out = {}
+        for name in ("qwen3moe-q4_k", "deepseek2"):
+            path = fixtures.write_fixture(name, sys.argv[1])
+            def run(**kwargs):
+                llm = Llama(str(path), n_ctx=1024, n_gpu_layers=99, logits_all=True, verbose=False, **kwargs)
+                try:
+                    tokens = llm.tokenize(TEXT)[:300]
+                    logits, got = greedy_logits(llm, tokens, 8)
+                    first = llm.moe_stats()["total"] if kwargs else None
+                    if kwargs:
+                        llm._experts.reset_stats()
+                        llm.reset()
+                        again, _ = greedy_logits(llm, tokens, 8)
+                        assert np.array_equal(again, logits)
+                    return logits, got, first, llm.moe_stats()["total"] if kwargs else None
+                finally:
+                    llm.close()
+            ref, ref_tokens, _, _ = run()
+            for tier in ("256MiB", "1MiB"):
+                got, tokens, first, second = run(moe_slots="25%", moe_host_cache=tier)
+                out[f"{name} {tier}"] = dict(
+                    identical=bool(np.array_equal(got, ref)) and tokens == ref_tokens,
+                    first_hits=first["host_hits"], first_read=first["bytes_read"],
+                    second_hits=second["host_hits"], second_read=second["bytes_read"],
+                    second_misses=second["misses"], host_bytes=second["host_bytes"])
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=vulkan_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key, row in out.items():
+        assert row["identical"], (key, row)
+        assert row["second_misses"] > 0 and row["second_hits"] > 0 and row["host_bytes"] > 0, (key, row)
+        if key.endswith("256MiB"):  # every expert fits: the second pass reads nothing
+            assert row["second_read"] == 0, (key, row)
+    # 1 MiB holds 8 of qwen3moe-q4_k's 16 experts: some misses come from the tier, others from the drive
+    assert out["qwen3moe-q4_k 1MiB"]["second_read"] > 0, out

@@ -170,6 +170,13 @@ def add_moe_args(parser, moe_slots_default="auto"):
     env_arg(parser, "--moe-repack", env="LLAMA_ARG_MOE_REPACK", type=parse_bool, default=True, metavar="on|off",
             help="off: no CPU repack buffers, as llama.cpp's --no-repack: reads land in the slots, nothing is "
                  "repacked; outputs equal stock loaded so, not stock's defaults")
+    env_arg(parser, "--moe-host-cache", env="LLAMA_ARG_MOE_HOST_CACHE", default=None, metavar="SIZE",
+            help="a host-RAM tier for pools in device memory (offloaded layers): experts they read stay in "
+                 "host memory and a miss is served from there before the drive (e.g. 16GiB)")
+    env_arg(parser, "--moe-host-cache-unified", env="LLAMA_ARG_MOE_HOST_CACHE_UNIFIED", type=parse_bool,
+            default=False, metavar="on|off",
+            help="keep the host tier even on a unified-memory GPU (integrated, Metal), where it holds every "
+                 "cached expert twice")
     env_arg(parser, "--moe-profile", env="LLAMA_ARG_MOE_PROFILE", default="auto", metavar="auto|PATH|none",
             help="warm start from a calibration profile (empanel-gguf calibrate): auto uses this model "
                  "file's saved one if there is one")
@@ -200,7 +207,8 @@ def moe_options_from_args(args, trace=False):
                        moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io, moe_trace=trace,
                        moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
                        moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
-                       moe_verify=args.moe_verify, moe_profile=args.moe_profile, moe_repack=args.moe_repack)
+                       moe_verify=args.moe_verify, moe_profile=args.moe_profile, moe_repack=args.moe_repack,
+                       moe_host_cache=args.moe_host_cache, moe_host_cache_unified=args.moe_host_cache_unified)
 
 
 def plan_from_args(index, args, moe_slots, kwargs, trace=False, lora_paths=()):
