@@ -100,6 +100,9 @@ def test_program_refuses_a_malformed_plan(tmp_path):
         "a bad 'shape' record": good.replace(shape, shape + "\n" + shape),         # twice
         "incomplete plan": good.replace("\npreload 0\n", "\n"),                   # a required record missing
         "a bad 'params' record": good.replace(" ".join(params), negative_budget),
+        "a bad 'host-cache' record": good.replace("\npreload 0\n", "\npreload 0\nhost-cache -1\n"),
+        # read, then refused at the bind: this build's pools are in host memory
+        "no pool is in device memory": good.replace("\npreload 0\n", "\npreload 0\nhost-cache 1048576\n"),
     }
     for expected, text in cases.items():
         assert text != good, expected
