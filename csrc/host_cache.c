@@ -15,6 +15,7 @@
 
 #include "empanel-impl.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,6 +57,14 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
     // the block, aligned for O_DIRECT (a pinned buffer's base may not be)
     const uint64_t size = (uint64_t) hc->n_entries * hc->entry_bytes + EMPANEL_ALIGN;
     hc->raw = empanel_staging_alloc(owner, size, &hc->buffer);
+    if (hc->raw == NULL) { // the backend could not pin that much: plain host memory, copies a little slower
+        hc->buffer = NULL;
+        if (posix_memalign((void **) &hc->raw, EMPANEL_ALIGN, size) != 0) {
+            hc->raw = NULL;
+        }
+        fprintf(stderr, "empanel: moe_host_cache: %llu bytes could not be pinned; the tier is in plain host "
+                "memory (copies to the device a little slower)\n", (unsigned long long) size);
+    }
     hc->layer_of = malloc(sizeof(int32_t) * (size_t) hc->n_entries);
     hc->expert_of = malloc(sizeof(int32_t) * (size_t) hc->n_entries);
     hc->held      = calloc((size_t) hc->n_entries, sizeof(uint8_t));
