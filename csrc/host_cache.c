@@ -19,10 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t window_bytes(const struct empanel_tensor * t) {
-    return (t->expert_size + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN + EMPANEL_ALIGN;
-}
-
 static int tiered(const struct empanel_tensor * t) {
     return t->pool != NULL && t->host == NULL && !t->remote;
 }
@@ -36,7 +32,7 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
         uint64_t entry = 0;
         for (int32_t i = 0; i < layer->n_tensors; i++) {
             if (tiered(&layer->tensors[i])) {
-                entry += window_bytes(&layer->tensors[i]);
+                entry += empanel_window_bytes(&layer->tensors[i]);
                 owner  = owner != NULL ? owner : layer->tensors[i].pool;
             }
         }
@@ -129,10 +125,9 @@ static uint8_t * entry_tensor(const struct empanel_host_cache * hc, const struct
                               int32_t e, int32_t ti, int32_t expert) {
     uint64_t at = (uint64_t) e * hc->entry_bytes;
     for (int32_t i = 0; i < ti; i++) {
-        at += tiered(&layer->tensors[i]) ? window_bytes(&layer->tensors[i]) : 0;
+        at += tiered(&layer->tensors[i]) ? empanel_window_bytes(&layer->tensors[i]) : 0;
     }
-    const struct empanel_tensor * t = &layer->tensors[ti];
-    return hc->base + at + (t->offset + (uint64_t) expert * t->expert_size) % EMPANEL_ALIGN;
+    return empanel_window_payload(hc->base + at, &layer->tensors[ti], expert);
 }
 
 uint8_t * empanel_host_cache_get(struct empanel_pool * pool, struct empanel_layer * layer, int32_t ti,

@@ -33,6 +33,19 @@
 static uint64_t align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 static uint64_t align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 
+// where expert e's bytes of tensor t start in its file
+static uint64_t expert_begin(const struct empanel_tensor * t, int32_t e) {
+    return t->offset + (uint64_t) e * t->expert_size;
+}
+
+uint64_t empanel_window_bytes(const struct empanel_tensor * t) {
+    return align_up(t->expert_size) + EMPANEL_ALIGN;
+}
+
+uint8_t * empanel_window_payload(uint8_t * room, const struct empanel_tensor * t, int32_t expert) {
+    return room + expert_begin(t, expert) % EMPANEL_ALIGN;
+}
+
 // ------------------------------------------------------------------------------------------------
 // one chunk
 
@@ -160,12 +173,12 @@ static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk
 
 // take chunks of the posted batch until none is left; the thread finishing the last one says so
 static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
+    const uint64_t cpu0 = empanel_thread_cpu_ns();
     for (;;) {
         const int i = atomic_fetch_add(&reader->next, 1);
         if (i >= reader->n_chunks) {
             break;
         }
-        const uint64_t cpu0 = empanel_thread_cpu_ns();
         const struct empanel_chunk * c = &reader->chunks[i];
         struct empanel_read_job * job = &reader->jobs[c->job];
         if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
@@ -179,7 +192,6 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
                 atomic_store(&reader->batch_failed, 1);
             }
         }
-        atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0); // counted before it is done
         if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
             pthread_mutex_lock(&reader->mutex);
             reader->done_ns = empanel_now_ns();
@@ -187,6 +199,8 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
             pthread_mutex_unlock(&reader->mutex);
         }
     }
+    // counted before this thread leaves the batch: empanel_read_finish waits for that (busy)
+    atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
 }
 
 struct thread_arg {
@@ -379,9 +393,8 @@ static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks,
 static int32_t cut_chunks(const struct empanel_reader * reader, const struct empanel_read_job * job, int32_t j,
                           uint64_t from, uint64_t to, int32_t in_place, struct empanel_chunk * out,
                           uint64_t * io_bytes, uint64_t * bounce_bytes) {
-    const struct empanel_tensor * t = job->tensor;
-    const uint64_t begin = t->offset + (uint64_t) job->expert * t->expert_size; // payload in the file
-    const uint64_t end   = begin + t->expert_size;
+    const uint64_t begin = expert_begin(job->tensor, job->expert); // payload in the file
+    const uint64_t end   = begin + job->tensor->expert_size;
     int32_t n = 0;
     for (uint64_t at = from; at < to; at += reader->chunk_bytes) {
         const uint64_t stop  = at + reader->chunk_bytes < to ? at + reader->chunk_bytes : to;
@@ -389,7 +402,7 @@ static int32_t cut_chunks(const struct empanel_reader * reader, const struct emp
         const uint64_t p1    = stop < end ? stop : end;
         struct empanel_chunk * c = &out[n++];
         c->job        = j;
-        c->file       = t->file;
+        c->file       = job->tensor->file;
         c->offset     = at;
         c->length     = stop - at;
         c->skip       = p0 - at;
@@ -406,9 +419,8 @@ static int32_t cut_chunks(const struct empanel_reader * reader, const struct emp
 // written to out
 static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_read_job * job, int32_t j,
                            int staged, struct empanel_chunk * out, uint64_t * io_bytes, uint64_t * bounce_bytes) {
-    const struct empanel_tensor * t = job->tensor;
-    const uint64_t begin = t->offset + (uint64_t) job->expert * t->expert_size;
-    const uint64_t end   = begin + t->expert_size;
+    const uint64_t begin = expert_begin(job->tensor, job->expert);
+    const uint64_t end   = begin + job->tensor->expert_size;
     int32_t n = 0;
     if (!reader->direct) {
         n = cut_chunks(reader, job, j, begin, end, 0, out, io_bytes, bounce_bytes);
@@ -438,7 +450,7 @@ static int32_t chunks_per_job(const struct empanel_reader * reader, uint64_t siz
 }
 
 uint64_t empanel_staged_bytes(const struct empanel_tensor * t) {
-    return t->direct ? 0 : align_up(t->expert_size) + EMPANEL_ALIGN;
+    return t->direct ? 0 : empanel_window_bytes(t);
 }
 
 // bytes of staging one expert of tensors [t0, t1) takes (those whose pools take no direct reads),
@@ -502,16 +514,15 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
             job->remote_hash = 0;
             const int to_staging = !t->direct || job->dst == NULL;
             int tier_hit = 0;
-            uint8_t * tier = t->host == NULL ? empanel_host_cache_get(pool, layer, i, experts[m], batch, &tier_hit) : NULL;
+            uint8_t * tier = empanel_host_cache_get(pool, layer, i, experts[m], batch, &tier_hit);
             job->tier = tier == NULL ? 0 : tier_hit ? 2 : 1;
             if (tier != NULL) { // device pools with a host tier: read into the entry, written from it
                 job->dst     = tier;
                 job->convert = 2;
             } else if (to_staging) { // the window's room, the payload at its phase in the file
-                const uint64_t head = (t->offset + (uint64_t) experts[m] * t->expert_size) % EMPANEL_ALIGN;
-                job->dst     = staging + staged + head;
+                job->dst     = empanel_window_payload(staging + staged, t, experts[m]);
                 job->convert = t->host != NULL ? 1 : 2;
-                staged      += align_up(head + t->expert_size);
+                staged      += empanel_window_bytes(t);
             }
             t->held[slots[m]] = -1; // being written
             if (job->tier == 2) { // written from the tier at the finish, nothing to read

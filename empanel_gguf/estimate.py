@@ -207,19 +207,19 @@ def set_unified_probe(probe):
     _unified_probe = probe
 
 
-def unified_devices():
-    if _unified_probe is None:
-        return 0
+def _ask(probe, default):
+    """probe()'s answer, or default where none is set or it fails (a missing library)."""
+    if probe is None:
+        return default
     try:
-        return int(_unified_probe())
+        return probe()
     except Exception:  # the estimate must not fail on a missing library
-        return 0
+        return default
+
+
+def unified_devices():
+    return int(_ask(_unified_probe, 0))
 
 
 def _supports_gpu_offload():
-    if _offload_probe is None:
-        return False
-    try:
-        return bool(_offload_probe())
-    except Exception:  # the estimate must not fail on a missing library
-        return False
+    return bool(_ask(_offload_probe, False))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
 
+from ._pins import READ_ALIGN
+
 KINDS = ("gate", "up", "down", "gate_up")
 
 # blk.N.ffn_{gate,up,down,gate_up}_exps.weight: routed experts, 3-D, expert outermost.
@@ -250,8 +252,6 @@ class ExpertTensor:
     def lands_in_place(self) -> bool:
         """Reads of its experts land in a plain pool's slots with no copy (csrc/reader.c): every
         expert sits at one offset modulo the O_DIRECT block, i.e. the stride is a multiple of it."""
-        from ._pins import READ_ALIGN
-
         return self.stride % READ_ALIGN == 0
 
     def expert(self, e: int) -> tuple[Path, int, int]:
