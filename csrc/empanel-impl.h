@@ -399,10 +399,18 @@ uint8_t * empanel_host_cache_get(struct empanel_pool * pool, struct empanel_laye
 // the read of tensor ti of (layer, expert) into its entry succeeded (ok) or failed
 void     empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_layer * layer, int32_t ti,
                                    int32_t expert, int ok);
+// where expert e's bytes of tensor t start in its file
+static inline uint64_t empanel_expert_begin(const struct empanel_tensor * t, int32_t e) {
+    return t->offset + (uint64_t) e * t->expert_size;
+}
 // room for one expert's whole O_DIRECT window of tensor t (bytes), so that it lands in place
-uint64_t empanel_window_bytes(const struct empanel_tensor * t);
+static inline uint64_t empanel_window_bytes(const struct empanel_tensor * t) {
+    return (t->expert_size + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN + EMPANEL_ALIGN;
+}
 // where expert's payload sits in such room (aligned): at its file offset modulo EMPANEL_ALIGN
-uint8_t * empanel_window_payload(uint8_t * room, const struct empanel_tensor * t, int32_t expert);
+static inline uint8_t * empanel_window_payload(uint8_t * room, const struct empanel_tensor * t, int32_t expert) {
+    return room + empanel_expert_begin(t, expert) % EMPANEL_ALIGN;
+}
 // bytes of staging one expert of the tensor takes on its way to its slot: its window's room
 // (0 for plain host pools)
 uint64_t empanel_staged_bytes(const struct empanel_tensor * t);

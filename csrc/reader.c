@@ -33,18 +33,6 @@
 static uint64_t align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 static uint64_t align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 
-// where expert e's bytes of tensor t start in its file
-static uint64_t expert_begin(const struct empanel_tensor * t, int32_t e) {
-    return t->offset + (uint64_t) e * t->expert_size;
-}
-
-uint64_t empanel_window_bytes(const struct empanel_tensor * t) {
-    return align_up(t->expert_size) + EMPANEL_ALIGN;
-}
-
-uint8_t * empanel_window_payload(uint8_t * room, const struct empanel_tensor * t, int32_t expert) {
-    return room + expert_begin(t, expert) % EMPANEL_ALIGN;
-}
 
 // ------------------------------------------------------------------------------------------------
 // one chunk
@@ -393,7 +381,7 @@ static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks,
 static int32_t cut_chunks(const struct empanel_reader * reader, const struct empanel_read_job * job, int32_t j,
                           uint64_t from, uint64_t to, int32_t in_place, struct empanel_chunk * out,
                           uint64_t * io_bytes, uint64_t * bounce_bytes) {
-    const uint64_t begin = expert_begin(job->tensor, job->expert); // payload in the file
+    const uint64_t begin = empanel_expert_begin(job->tensor, job->expert); // payload in the file
     const uint64_t end   = begin + job->tensor->expert_size;
     int32_t n = 0;
     for (uint64_t at = from; at < to; at += reader->chunk_bytes) {
@@ -419,7 +407,7 @@ static int32_t cut_chunks(const struct empanel_reader * reader, const struct emp
 // written to out
 static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_read_job * job, int32_t j,
                            int staged, struct empanel_chunk * out, uint64_t * io_bytes, uint64_t * bounce_bytes) {
-    const uint64_t begin = expert_begin(job->tensor, job->expert);
+    const uint64_t begin = empanel_expert_begin(job->tensor, job->expert);
     const uint64_t end   = begin + job->tensor->expert_size;
     int32_t n = 0;
     if (!reader->direct) {
