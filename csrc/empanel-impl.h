@@ -73,6 +73,14 @@ struct empanel_layer {
     int32_t    guess_n;        // distinct experts the live guess names
     int        prefetch_open;  // read-ahead slots whose tables are set before their bytes land
 
+    // reads that overlap the compute (empanel_ready): the remap posts a micro-batch's misses and
+    // returns; each pool's MUL_MAT_ID waits for its own tensor's reads first
+    uint32_t   ready_seen;     // bit i: tensor i's ready call came since the layer's last remap
+    int32_t    ready_next;     // ready calls since then
+    int32_t    ready_rank[EMPANEL_MAX_TENSORS]; // order of the tensors' ready calls: the graph's
+    int        ready_armed;    // every tensor's MUL_MAT_ID waits for its reads (seen last time)
+    int        reads_open;     // misses posted, tables set before their bytes land
+
     // the waves of the current micro-batch (remap calls with a pool tensor); expert_in/slot_of
     // already say where every expert is at the end of it
     int        plan_open;           // some tensor has waves of this plan still to run
@@ -207,8 +215,16 @@ struct empanel_pool {
     void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
     void                    * staging_buffer; // the backend buffer of pinned staging
 
+    // a read-ahead that found the reader busy with a layer's overlapped reads (empanel_ready):
+    // posted once they are done (empanel_guess_post_deferred), dropped by the next remap
+    struct empanel_layer    * deferred_guess;
+    int32_t                   deferred_guess_n;
+
     // the batch of reads in flight (posted, not finished): at most one
     int                       inflight;
+    int                       inflight_ready;  // its tensors are waited for one by one (empanel_ready)
+    atomic_int                inflight_left[EMPANEL_MAX_TENSORS];      // jobs of tensor i not landed
+    int32_t                   inflight_chunk_end[EMPANEL_MAX_TENSORS]; // chunks up to tensor i's last
     struct empanel_layer    * inflight_layer;
     int32_t                   inflight_jobs;
     int32_t                   inflight_chunks;
@@ -314,6 +330,8 @@ int     empanel_compare_uint64(const void * a, const void * b);
 // guess.c: the live guess of a layer is spent by the remap of its n distinct experts (in
 // layer->distinct) for `call`: recall and read-ahead accounted
 void    empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call);
+// the read-ahead a guess deferred while overlapped reads were in flight, posted now if it still can be
+void    empanel_guess_post_deferred(struct empanel_pool * pool);
 
 // plan_file.c: a plan written down (empanel_gguf/plan_file.py; records described in plan_file.c)
 struct empanel_plan_order {
@@ -382,6 +400,15 @@ int      empanel_read_post   (struct empanel_pool * pool, struct empanel_layer *
 // empanel_read_post, all tensors at once)
 int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n);
+// start reading n experts of every tensor of a layer, tensor by tensor in `order` (indices in
+// layer->tensors), each to be waited for on its own (empanel_read_wait_tensor)
+int      empanel_read_post_ready(struct empanel_pool * pool, struct empanel_layer * layer,
+                                 const int32_t * experts, const int32_t * slots, int32_t n,
+                                 const int32_t * order);
+// wait until the layer's batch in flight (empanel_read_post_ready) has landed the experts of one
+// tensor, reading alongside the threads; 0 (also if no such batch is in flight), or -1 if a read
+// of the batch failed
+int      empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
 // wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
 int      empanel_read_finish (struct empanel_pool * pool);

@@ -93,6 +93,7 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(bounce_bytes,    counter, "",                      "Bytes the readers copied out of their O_DIRECT buffers (the rest landed in place).") \
     X(remap_ns,        counter, "remap_seconds_total",   "Time spent in the remap step.") \
     X(wait_ns,         counter, "",                      "Time the graph waited for reads (the rest of read time was hidden).") \
+    X(overlapped,      counter, "",                      "Remaps whose misses were read while the layer computed (each pool waited for its own).") \
     X(n_waves,         counter, "",                      "Waves over all micro-batches (per micro-batch: n_waves / n_remaps).") \
     X(preloaded,       counter, "",                      "Experts read into empty slots at load (in bytes_read, not in misses).") \
     X(guessed,         counter, "",                      "Distinct experts the gate-ahead guesses named for this layer.") \
@@ -174,6 +175,17 @@ EMPANEL_API int32_t empanel_guess(
         int64_t         ids_row_stride,
         int32_t         n_used,
         int32_t         n_tokens);
+
+// the ready hook (llama_empanel_ready_fn): before pool tensor `pool_tensor` of layer il computes
+// the layer's micro-batch, waits until the experts its remap placed in that pool's slots have
+// landed. A remap whose layer's MUL_MAT_IDs all called it last time posts its misses and returns
+// without waiting (host pools only), so one tensor's reads go on while another's experts compute;
+// the tensors are read in the order of these calls. Returns 0, or -1 after recording the failure.
+// EMPANEL_READ_SYNC=1 at load time registers none (every remap waits for its reads).
+EMPANEL_API int32_t empanel_ready(
+        void       * pool,
+        int32_t      il,
+        const void * pool_tensor);
 
 // the routing substitution hook (llama_empanel_subst_fn): for each token, a routed expert that is
 // not resident is replaced in expert_ids by the first resident expert among candidates (the

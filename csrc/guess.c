@@ -116,11 +116,24 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
     if (pool->tracing) { // [-(il + 1), n_tokens, n_used, ids]: the lab replays guess-ordered eviction
         empanel_trace_call(pool, -(il + 1), expert_ids, ids_row_stride, n_used, n_tokens);
     }
-    if (distance <= pool->prefetch && !pool->lab && !pool->inflight && !layer->plan_open && !layer->prefetch_open) {
-        prefetch_guess(pool, layer, n);
+    if (distance <= pool->prefetch && !pool->lab && !layer->plan_open && !layer->prefetch_open) {
+        if (!pool->inflight) {
+            prefetch_guess(pool, layer, n);
+        } else if (pool->inflight_ready && pool->deferred_guess == NULL) {
+            pool->deferred_guess   = layer; // after the overlapped reads of the layer computing now
+            pool->deferred_guess_n = n;
+        }
     }
     pthread_mutex_unlock(&pool->lock);
     return 0;
+}
+
+void empanel_guess_post_deferred(struct empanel_pool * pool) {
+    struct empanel_layer * layer = pool->deferred_guess;
+    pool->deferred_guess = NULL;
+    if (layer != NULL && !pool->inflight && !layer->plan_open && !layer->prefetch_open && !atomic_load(&pool->failed)) {
+        prefetch_guess(pool, layer, pool->deferred_guess_n);
+    }
 }
 
 int32_t empanel_subst(void * user, int32_t il, int32_t * expert_ids, int64_t ids_row_stride, int32_t n_used,

@@ -120,6 +120,12 @@ void empanel_load_begin(struct empanel_load * load) {
     if (plan->subst_alt > 0) {
         llama_empanel_set_subst((llama_empanel_subst_fn) empanel_subst, plan->subst_alt);
     }
+    // reads overlap the layer's compute (EMPANEL_READ_SYNC=1: every remap waits for its reads, to
+    // measure the difference side by side)
+    const char * sync = getenv("EMPANEL_READ_SYNC");
+    if (sync == NULL || atoi(sync) == 0) {
+        llama_empanel_set_ready((llama_empanel_ready_fn) empanel_ready);
+    }
 }
 
 int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model * model, char * err,

@@ -159,7 +159,44 @@ static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk
     return pread_chunk(pool, f, f->fd, dst, c->payload, c->offset + c->skip, c->payload);
 }
 
-// take chunks of the posted batch until none is left; the thread finishing the last one says so
+// read chunk i of the posted batch; the thread finishing a job's last chunk lands the expert (hash
+// check, repack). Waiters are woken by the batch's last chunk, a failure, and (batches waited for
+// tensor by tensor) a tensor's last expert landed
+static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) {
+    struct empanel_pool        * pool = reader->pool;
+    const struct empanel_chunk * c    = &reader->chunks[i];
+    struct empanel_read_job    * job  = &reader->jobs[c->job];
+    int failed = 0;
+    int landed = 0; // the last expert of its tensor in this batch
+    if (atomic_load(&pool->failed) || read_chunk(reader, c, bounce) != 0) {
+        failed = 1; // skipped or failed: the batch is incomplete
+    } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
+        if (job->tensor->remote && job->tensor->remote_cache && job->tensor->digest == NULL) {
+            job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
+        }
+        if ((job->tensor->digest != NULL && verify_job(pool, job) != 0) ||
+            (job->convert == 1 && convert_job(pool, job) != 0)) { // repack it now
+            failed = 1;
+        } else if (pool->inflight_ready) {
+            const int32_t ti = (int32_t) (job->tensor - pool->inflight_layer->tensors);
+            landed = atomic_fetch_sub(&pool->inflight_left[ti], 1) == 1;
+        }
+    }
+    if (failed) {
+        atomic_store(&reader->batch_failed, 1);
+    }
+    const int last = atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks;
+    if (last || failed || landed) {
+        pthread_mutex_lock(&reader->mutex);
+        if (last) {
+            reader->done_ns = empanel_now_ns();
+        }
+        pthread_cond_broadcast(&reader->cond_done);
+        pthread_mutex_unlock(&reader->mutex);
+    }
+}
+
+// take chunks of the posted batch until none is left
 static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
     const uint64_t cpu0 = empanel_thread_cpu_ns();
     for (;;) {
@@ -167,25 +204,7 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         if (i >= reader->n_chunks) {
             break;
         }
-        const struct empanel_chunk * c = &reader->chunks[i];
-        struct empanel_read_job * job = &reader->jobs[c->job];
-        if (atomic_load(&reader->pool->failed) || read_chunk(reader, c, bounce) != 0) {
-            atomic_store(&reader->batch_failed, 1); // skipped or failed: the batch is incomplete
-        } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
-            if (job->tensor->remote && job->tensor->remote_cache && job->tensor->digest == NULL) {
-                job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
-            }
-            if ((job->tensor->digest != NULL && verify_job(reader->pool, job) != 0) ||
-                (job->convert == 1 && convert_job(reader->pool, job) != 0)) { // repack it now
-                atomic_store(&reader->batch_failed, 1);
-            }
-        }
-        if (atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks) {
-            pthread_mutex_lock(&reader->mutex);
-            reader->done_ns = empanel_now_ns();
-            pthread_cond_broadcast(&reader->cond_done);
-            pthread_mutex_unlock(&reader->mutex);
-        }
+        work_chunk(reader, i, bounce);
     }
     // counted before this thread leaves the batch: empanel_read_finish waits for that (busy)
     atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
@@ -338,6 +357,29 @@ static void reader_finish(struct empanel_pool * pool) {
     pthread_mutex_unlock(&reader->mutex);
 }
 
+// wait until the posted batch's experts of tensor ti have landed, taking its chunks (and the ones
+// before them) alongside the threads; 0, or -1 if a read of the batch failed
+static int reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
+    struct empanel_reader * reader = &pool->reader;
+    const int      limit = pool->inflight_chunk_end[ti];
+    const uint64_t cpu0  = empanel_thread_cpu_ns();
+    int i = atomic_load(&reader->next);
+    while (i < limit) {
+        if (atomic_compare_exchange_weak(&reader->next, &i, i + 1)) {
+            work_chunk(reader, i, reader->bounce[reader->n_threads]);
+            i = atomic_load(&reader->next);
+        }
+    }
+    atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
+
+    pthread_mutex_lock(&reader->mutex);
+    while (atomic_load(&pool->inflight_left[ti]) > 0 && !atomic_load(&reader->batch_failed)) {
+        pthread_cond_wait(&reader->cond_done, &reader->mutex);
+    }
+    pthread_mutex_unlock(&reader->mutex);
+    return atomic_load(&reader->batch_failed) ? -1 : 0;
+}
+
 // ------------------------------------------------------------------------------------------------
 // a batch of experts
 
@@ -454,10 +496,12 @@ static void expert_needs(const struct empanel_reader * reader, const struct empa
     }
 }
 
-// plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer; nothing
-// may be in flight. Their slots hold nothing until empanel_read_finish succeeds.
+// plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer, tensor by
+// tensor (order: their indices in the order to read them, each waited for on its own with
+// empanel_read_wait_tensor; NULL: in index order); nothing may be in flight. Their slots hold
+// nothing until empanel_read_finish succeeds.
 static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t t0, int32_t t1,
-                      const int32_t * experts, const int32_t * slots, int32_t n) {
+                      const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order) {
     struct empanel_reader * reader = &pool->reader;
     if (pool->inflight) {
         empanel_set_error(pool, "empanel: reads posted while others are in flight");
@@ -486,8 +530,10 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     uint64_t io_bytes = 0;
     uint64_t bounced  = 0;
     uint64_t payload  = 0;
-    for (int32_t m = 0; m < n; m++) {
-        for (int32_t i = t0; i < t1; i++) {
+    for (int32_t k = 0; k < t1 - t0; k++) {
+        const int32_t i = order != NULL ? order[k] : t0 + k;
+        int32_t n_landing = 0; // its jobs that land through the readers
+        for (int32_t m = 0; m < n; m++) {
             struct empanel_tensor * t = &layer->tensors[i];
             if (remote_by_hash(layer, t, experts[m], slots[m])) {
                 t->held[slots[m]] = experts[m]; // in place, nothing to read
@@ -523,10 +569,14 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
                                     &io_bytes, &bounced);
             payload  += t->expert_size;
             n_jobs++;
+            n_landing++;
         }
+        atomic_store(&pool->inflight_left[i], n_landing);
+        pool->inflight_chunk_end[i] = n_chunks;
     }
 
     pool->inflight          = 1;
+    pool->inflight_ready    = order != NULL;
     pool->inflight_layer    = layer;
     pool->inflight_jobs     = n_jobs;
     pool->inflight_chunks   = n_chunks;
@@ -540,12 +590,27 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
 
 int empanel_read_post(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
                       const int32_t * experts, const int32_t * slots, int32_t n) {
-    return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n) : 0;
+    return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n, NULL) : 0;
 }
 
 int empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                             const int32_t * experts, const int32_t * slots, int32_t n) {
-    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n) : 0;
+    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, NULL) : 0;
+}
+
+int empanel_read_post_ready(struct empanel_pool * pool, struct empanel_layer * layer,
+                            const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order) {
+    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, order) : 0;
+}
+
+int empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor) {
+    if (!pool->inflight || !pool->inflight_ready || pool->inflight_layer != layer) {
+        return 0; // its reads are done (or were never posted so)
+    }
+    const uint64_t t0 = empanel_now_ns();
+    const int rc = reader_wait_tensor(pool, tensor);
+    layer->stats.wait_ns += empanel_now_ns() - t0;
+    return rc;
 }
 
 // the batch's reads into host-tier entries: held there if it succeeded, else not
@@ -567,7 +632,9 @@ int empanel_read_finish(struct empanel_pool * pool) {
     const uint64_t t0 = empanel_now_ns();
     reader_finish(pool);
     const uint64_t t1 = empanel_now_ns();
-    pool->inflight = 0;
+    const int ready = pool->inflight_ready;
+    pool->inflight       = 0;
+    pool->inflight_ready = 0;
 
     struct empanel_layer * layer = pool->inflight_layer;
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
@@ -602,6 +669,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
         return -1; // written to while we read: the bytes may be torn
     }
     tier_landed(pool, 1); // the host tier's entries hold what was read
+    layer->reads_open = ready ? 0 : layer->reads_open; // its tables hold from now on
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
         const struct empanel_read_job * job = &pool->jobs[j];
         job->tensor->held[job->slot] = job->expert;
@@ -635,7 +703,7 @@ int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * laye
     }
     for (int32_t g0 = 0; g0 < n_misses; g0 += group) {
         const int32_t n = g0 + group < n_misses ? group : n_misses - g0;
-        if (post_batch(pool, layer, 0, layer->n_tensors, misses + g0, slots + g0, n) != 0 ||
+        if (post_batch(pool, layer, 0, layer->n_tensors, misses + g0, slots + g0, n, NULL) != 0 ||
             empanel_read_finish(pool) != 0) {
             return -1;
         }

@@ -93,6 +93,17 @@ int empanel_trace_call(struct empanel_pool * pool, int32_t il, const int32_t * e
     return 0;
 }
 
+// the tables say that experts layer->misses[0, n) are in slots layer->victims[0, n)
+static void hold_misses(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    for (int32_t i = 0; i < n; i++) {
+        layer->expert_in[layer->victims[i]] = layer->misses[i];
+        layer->slot_of[layer->misses[i]]    = layer->victims[i];
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            empanel_lru_push_recent(pool, layer->lru_base + layer->victims[i]);
+        }
+    }
+}
+
 // read experts layer->misses[0, n) into the claimed, empty slots layer->victims[0, n) and make
 // them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
 int empanel_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
@@ -102,13 +113,45 @@ int empanel_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer,
         }
         return -1;
     }
-    for (int32_t i = 0; i < n; i++) {
-        layer->expert_in[layer->victims[i]] = layer->misses[i];
-        layer->slot_of[layer->misses[i]]    = layer->victims[i];
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            empanel_lru_push_recent(pool, layer->lru_base + layer->victims[i]);
-        }
+    hold_misses(pool, layer, n);
+    return 0;
+}
+
+// the misses of a micro-batch may be read while the layer computes: every tensor's MUL_MAT_ID
+// waited for its own reads last time (empanel_ready), its pools are in this process's host
+// memory, and the batch's staging (CPU_REPACK pools) stays bounded (32 MiB)
+static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer, int32_t n) {
+    if (!layer->ready_armed || pool->lab || pool->inflight) {
+        return 0;
     }
+    uint64_t staged_per_expert = 0;
+    for (int32_t i = 0; i < layer->n_tensors; i++) {
+        const struct empanel_tensor * t = &layer->tensors[i];
+        if (t->host == NULL || t->remote) {
+            return 0;
+        }
+        staged_per_expert += empanel_staged_bytes(t);
+    }
+    return staged_per_expert * (uint64_t) n <= 4 * (uint64_t) EMPANEL_STAGING;
+}
+
+// as empanel_fill_slots, but the reads are posted, not waited for: each tensor's MUL_MAT_ID waits
+// for its own (empanel_ready; the tensors are read in the order the graph computes them), and the
+// tables say where the experts will be. A failed read empties their slots again (reconcile)
+static int fill_slots_overlapped(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    int32_t order[EMPANEL_MAX_TENSORS];
+    for (int32_t i = 0; i < layer->n_tensors; i++) {
+        order[layer->ready_rank[i]] = i; // ranks 0 .. n_tensors - 1: every tensor's call was seen
+    }
+    if (empanel_read_post_ready(pool, layer, layer->misses, layer->victims, n, order) != 0) {
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            pool->resident_bytes -= (uint64_t) n * layer->expert_bytes;
+        }
+        return -1;
+    }
+    hold_misses(pool, layer, n);
+    layer->reads_open = 1;
+    layer->stats.overlapped++;
     return 0;
 }
 
@@ -227,8 +270,10 @@ static int32_t split_hits(struct empanel_pool * pool, struct empanel_layer * lay
 }
 
 // the n distinct experts fit the pool: hits keep their slots, misses take the slots the policy
-// gives up (none that this micro-batch uses) and are read, every tensor at once
-static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, uint64_t call, int32_t n) {
+// gives up (none that this micro-batch uses) and are read, every tensor at once (overlap: a
+// one-wave graph's remap, whose MUL_MAT_IDs may wait for their reads; else they are waited for)
+static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, uint64_t call, int32_t n,
+                            int overlap) {
     const int32_t n_miss = split_hits(pool, layer, call, n);
     // victims first: every slot is empty until all misses are read (a failed read leaves no
     // slot claiming an expert it does not hold)
@@ -243,7 +288,8 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
         claim_slot(pool, layer, s, call);
         layer->victims[i] = s;
     }
-    if (n_miss > 0 && empanel_fill_slots(pool, layer, n_miss) != 0) {
+    if (n_miss > 0 && (overlap && overlap_reads(pool, layer, n_miss) ? fill_slots_overlapped(pool, layer, n_miss)
+                                                          : empanel_fill_slots(pool, layer, n_miss)) != 0) {
         return -1;
     }
     layer->stats.misses += (uint64_t) n_miss;
@@ -354,12 +400,14 @@ static void reconcile(struct empanel_pool * pool, struct empanel_layer * layer) 
     }
     layer->plan_open     = 0;
     layer->prefetch_open = 0;
+    layer->reads_open    = 0;
 }
 
 // pool == NULL: the micro-batch fits the pools; one remap for all the layer's tensors
 static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
                             int64_t ids_row_stride, int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     struct empanel_layer * layer = remap_layer(pool, il);
+    pool->deferred_guess = NULL; // a read-ahead not posted by now comes too late
     if (layer == NULL || empanel_read_finish(pool) != 0) {
         return -1;
     }
@@ -375,11 +423,16 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
         layer->stats.n_ids += (uint64_t) n_tokens * (uint64_t) n_used;
         return 0;
     }
-    if (layer->plan_open || layer->prefetch_open) {
+    if (layer->plan_open || layer->prefetch_open || layer->reads_open) {
         reconcile(pool, layer);
     }
+    // every tensor's MUL_MAT_ID waited for its reads after the layer's last remap (the graph has
+    // its ready ops): this micro-batch's reads may overlap the layer's compute
+    layer->ready_armed = layer->ready_seen == (1u << layer->n_tensors) - 1;
+    layer->ready_seen  = 0;
+    layer->ready_next  = 0;
     const int32_t n = collect_distinct(pool, layer, il, call, expert_ids, ids_row_stride, n_used, n_tokens);
-    if (n < 0 || resolve_one_wave(pool, layer, il, call, n) != 0) {
+    if (n < 0 || resolve_one_wave(pool, layer, il, call, n, 1) != 0) {
         return -1;
     }
     empanel_guess_close(layer, n, call);
@@ -453,6 +506,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
                                  int32_t n_waves, const int32_t * expert_ids, int64_t ids_row_stride,
                                  int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     struct empanel_layer * layer = remap_layer(pool, il);
+    pool->deferred_guess = NULL;
     if (layer == NULL || empanel_read_finish(pool) != 0) {
         return -1;
     }
@@ -473,7 +527,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
                               layer->tensors[ti].name, wave, n_waves);
             return -1;
         }
-        if (layer->plan_open || layer->prefetch_open) {
+        if (layer->plan_open || layer->prefetch_open || layer->reads_open) {
             reconcile(pool, layer);
         }
         const uint64_t call = ++pool->call;
@@ -494,7 +548,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
         }
         if (n <= layer->n_slots) {
             // it fits: one wave, read for every tensor at once
-            if (resolve_one_wave(pool, layer, il, call, n) != 0) {
+            if (resolve_one_wave(pool, layer, il, call, n, 0) != 0) {
                 return -1;
             }
             for (int32_t i = 0; i < n; i++) {
@@ -581,13 +635,45 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
     return rc;
 }
 
+int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
+    struct empanel_pool * pool = user;
+    pthread_mutex_lock(&pool->lock);
+    struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
+    int32_t ti = -1;
+    for (int32_t i = 0; layer != NULL && i < layer->n_tensors; i++) {
+        ti = layer->tensors[i].pool == pool_tensor ? i : ti;
+    }
+    int32_t rc = atomic_load(&pool->failed) ? -1 : 0; // (the graph is being stopped)
+    if (ti >= 0 && rc == 0) {
+        if ((layer->ready_seen & (1u << ti)) == 0) {
+            layer->ready_seen       |= 1u << ti;
+            layer->ready_rank[ti]    = layer->ready_next++;
+        }
+        // the layer's last tensor: its batch is accounted for here, nothing stays in flight
+        const int last = layer->ready_seen == (1u << layer->n_tensors) - 1 && pool->inflight &&
+                         pool->inflight_ready && pool->inflight_layer == layer;
+        if (empanel_read_wait_tensor(pool, layer, ti) != 0 || (last && empanel_read_finish(pool) != 0)) {
+            empanel_read_finish(pool); // nothing stays in flight after a failure
+            if (!atomic_load(&pool->failed)) {
+                empanel_set_error(pool, "reading the experts of layer %d failed", il);
+            }
+            rc = -1;
+        } else if (last) {
+            empanel_guess_post_deferred(pool); // the reader is free for a read-ahead again
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return rc;
+}
+
 void empanel_pool_clear_error(struct empanel_pool * pool) {
     pthread_mutex_lock(&pool->lock);
     // a batch still in flight (the graph stopped before waiting for it) ends here, its slots
     // holding nothing; plans cut short are closed, so the next micro-batch plans afresh
     empanel_read_finish(pool);
+    pool->deferred_guess = NULL;
     for (int32_t il = 0; il < pool->n_layer; il++) {
-        if (pool->layers[il].plan_open || pool->layers[il].prefetch_open) {
+        if (pool->layers[il].plan_open || pool->layers[il].prefetch_open || pool->layers[il].reads_open) {
             reconcile(pool, &pool->layers[il]);
         }
     }
@@ -610,7 +696,7 @@ int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t
         const uint64_t call   = ++pool->call;
         const int32_t  n      = collect_distinct(pool, layer, il, call, expert_ids, n_used, n_used, n_tokens);
         const int      fits   = n <= layer->n_slots;
-        if (n >= 0 && (fits ? resolve_one_wave(pool, layer, il, call, n)
+        if (n >= 0 && (fits ? resolve_one_wave(pool, layer, il, call, n, 0)
                             : plan_waves(pool, layer, il, call, n, INT32_MAX, expert_ids, n_used, n_used, n_tokens)) == 0) {
             empanel_guess_close(layer, n, call);
             end_batch(pool, layer, fits ? 1 : layer->plan_waves);

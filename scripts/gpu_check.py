@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                 # fixtures, all layers offloaded (-ngl 99)
     python scripts/gpu_check.py --speed MODEL   # also time decode: 100 % slots vs resident, 25 %
+    python scripts/gpu_check.py --fixtures '' --waves MODEL   # prompt in waves: skipping vs masked
 
 Run it on a build with the backend enabled (CMAKE_ARGS="-DLLAMA_BUILD=OFF -DGGML_CUDA=on" pip
 install ., or -DGGML_VULKAN=on; on lavapipe set GGML_VK_VISIBLE_DEVICES=0). For each fixture and
@@ -9,6 +10,8 @@ slot count (minimum, 25 %, all) it checks that logits and greedy tokens are bit-
 same build with every expert resident at the same micro-batch size (pools live in device memory;
 the remap runs on the host), and reports how far the GPU results are from the CPU ones. With
 --speed it times decode and reports the host round trip per MoE layer (remap time / remaps).
+With --waves it times a prompt at 25 % slots, in waves, with the pairs of other waves skipped by
+the kernels (Vulkan, CPU) and masked (EMPANEL_WAVE_MASK=1: every pair multiplied in every wave).
 Prints a markdown table and, with --json, writes every number.
 """
 
@@ -97,6 +100,40 @@ def time_decode(path, moe_slots, n_gpu_layers, n_gen, n_ubatch):
         llm.close()
 
 
+def time_prompt(path, moe_slots, n_gpu_layers, n_prompt, masked, repeat=2):
+    """Best of `repeat` prompt evaluations of n_prompt token ids; masked: EMPANEL_WAVE_MASK=1."""
+    saved = os.environ.get("EMPANEL_WAVE_MASK")
+    os.environ["EMPANEL_WAVE_MASK"] = "1" if masked else "0"
+    try:
+        llm = Llama(str(path), n_ctx=max(512, n_prompt + 8), n_gpu_layers=n_gpu_layers, seed=0,
+                    verbose=False, moe_slots=moe_slots)
+    finally:
+        if saved is None:
+            del os.environ["EMPANEL_WAVE_MASK"]
+        else:
+            os.environ["EMPANEL_WAVE_MASK"] = saved
+    try:
+        tokens = list(np.random.default_rng(0).integers(100, llm.n_vocab(), n_prompt))
+        if llm.moe_stats() is not None:
+            llm._experts.reset_stats()  # the evaluations' reads only, not the load's
+        best = float("inf")
+        for _ in range(repeat):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(tokens)
+            best = min(best, time.perf_counter() - t0)
+        row = {"moe_slots": moe_slots, "masked": masked, "n_prompt": n_prompt, "prompt_s": best}
+        stats = llm.moe_stats()
+        if stats is not None:
+            t = stats["total"]
+            # per evaluation: reads, the graph's waits for them, writes into device slots
+            row.update(masked_pools=t["masked_pools"], waves_per_remap=t["n_waves"] / max(1, t["n_remaps"]),
+                       read_s=t["read_s"] / repeat, wait_s=t["wait_s"] / repeat, write_s=t["write_s"] / repeat)
+        return row
+    finally:
+        llm.close()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixtures", default=",".join(DEFAULT_FIXTURES))
@@ -104,11 +141,14 @@ def main(argv=None):
     parser.add_argument("-n", "--n-greedy", type=int, default=16)
     parser.add_argument("--speed", metavar="MODEL", help="also time decode on this model")
     parser.add_argument("--n-gen", type=int, default=64)
+    parser.add_argument("--waves", metavar="MODEL", help="time a prompt in waves, skipping vs masked")
+    parser.add_argument("--n-prompt", type=int, default=256)
     parser.add_argument("--json", help="write all rows here")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as workdir:
-        rows = check_exactness(args.fixtures.split(","), args.n_gpu_layers, args.n_greedy, workdir)
+        names = [name for name in args.fixtures.split(",") if name]
+        rows = check_exactness(names, args.n_gpu_layers, args.n_greedy, workdir)
     print("| fixture | moe_slots | n_ubatch | bit-identical | max diff vs CPU (same inputs) | hit rate "
           "| round trip µs/layer | device syncs/token |")
     print("|---|---|---|---|---|---|---|---|")
@@ -128,9 +168,22 @@ def main(argv=None):
             print(f"| {r['moe_slots']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / resident['decode_tok_s']:.2f} "
                   f"| {100 * r.get('hit_rate', 1.0):.1f}% | {r.get('round_trip_us', 0):.0f} | {r.get('read_gbps', 0):.2f} "
                   f"| {r.get('syncs_per_token', 0):.1f} |")
+    waves = []
+    if args.waves:
+        waves.append(time_prompt(args.waves, None, args.n_gpu_layers, args.n_prompt, False))
+        for masked in (False, True):
+            waves.append(time_prompt(args.waves, "25%", args.n_gpu_layers, args.n_prompt, masked))
+        print(f"\n| prompt of {args.n_prompt} | moe_slots | waves | seconds | vs resident | masked pools "
+              "| waits for reads s | device slot writes s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in waves:
+            kind = "resident" if r["moe_slots"] is None else ("masked" if r["masked"] else "skipping")
+            print(f"| {kind} | {r['moe_slots']} | {r.get('waves_per_remap', 1):.1f} | {r['prompt_s']:.2f} "
+                  f"| {waves[0]['prompt_s'] / r['prompt_s']:.2f} | {r.get('masked_pools', 0)} "
+                  f"| {r.get('wait_s', 0):.2f} | {r.get('write_s', 0):.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"exactness": rows, "speed": speed}, f, indent=1)
+            json.dump({"exactness": rows, "speed": speed, "waves": waves}, f, indent=1)
     return 0 if all(r["bit_identical"] for r in rows) else 1
 
 

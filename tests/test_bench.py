@@ -130,6 +130,8 @@ def test_config_options_reach_llama():
     (cfg,) = parse_config("empanel-25%/plain@none", top_k=8)
     assert cfg.plain and cfg.moe_opts is None and not cfg.bounce
     (cfg,) = parse_config("empanel-25%/plain/bounce@none", top_k=8)
-    assert cfg.plain and cfg.bounce
+    assert cfg.plain and cfg.bounce and not cfg.sync
+    (cfg,) = parse_config("empanel-25%/plain/sync@cap", top_k=8)
+    assert cfg.plain and cfg.sync and not cfg.bounce
     with pytest.raises(SystemExit, match="neither a policy"):
         parse_config("empanel-25%/fifo", top_k=8)

@@ -368,6 +368,32 @@ def test_guess_and_prefetch_bit_identical(fixture_dir, name, prefetch):
             assert t["prefetched"] == 0
 
 
+@pytest.mark.parametrize("name", ["qwen3moe-q4_k", "qwen3moe-f32", "deepseek2", "gpt-oss"])
+def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
+    """In decode a layer's remap posts its misses and returns; each pool's MUL_MAT_ID first waits
+    for its own tensor's reads (empanel_ready), so one tensor's experts compute while the next
+    tensor's are read. Bit-identical to stock at its defaults (repacked pools) and to stock
+    --no-repack (plain pools, reads in place), with read-ahead too (posted once the overlapped
+    reads are done); EMPANEL_READ_SYNC=1 waits for every read in the remap, as before."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    for repack in (True, False):
+        ref_logits, ref_tokens, _, _ = (baseline(path, 9) if repack else
+                                        run_stock_defaults(path, 9, None, moe_repack=False))
+        for prefetch in (0, 1):
+            logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=prefetch)
+            assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, prefetch)
+            t = stats["total"]
+            # every decoded token but the first (the graph's ready calls are seen once first)
+            assert t["overlapped"] >= N_GREEDY // 2, (repack, prefetch, t)
+            if prefetch and len(load_index(path).layers) > 1:
+                assert t["prefetched"] > 0, t
+    monkeypatch.setenv("EMPANEL_READ_SYNC", "1")
+    logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%")
+    ref_logits, ref_tokens, _, _ = baseline(path, 9)
+    assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
+    assert stats["total"]["overlapped"] == 0
+
+
 def test_guess_off_makes_no_guesses(fixture_dir):
     path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
     logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_guess=False)

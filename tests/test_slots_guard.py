@@ -663,6 +663,56 @@ def test_failed_read_into_slots_leaves_them_empty(fixture_dir, monkeypatch, name
         assert np.array_equal(again, clean), after
 
 
+@pytest.mark.parametrize("repack", [False, True])
+def test_failed_overlapped_read_in_decode(fixture_dir, monkeypatch, repack):
+    """A decode read that fails while the layer's reads overlap its compute (the remap returned,
+    a MUL_MAT_ID waits for its tensor): the first read of a token (its first tensor) or its last
+    (a later tensor, waited for after another computed). The eval raises MoeReadError and takes
+    in no token; decoding that token again gives the clean run's logits bit for bit, so no slot
+    kept an expert whose bytes never landed."""
+    path = model(fixture_dir, "qwen3moe-q4_k")
+    prompt = list(range(10, 19))
+    n_decode = 8
+
+    def decode(llm, fail_at=None):
+        llm.reset()
+        llm.eval(prompt)
+        rows, reads = [], [llm.moe_stats()["total"]["n_reads"]]
+        for k in range(n_decode):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            if k == fail_at:
+                n_before = llm.n_tokens
+                with pytest.raises(MoeReadError, match="EMPANEL_FAULT_READ_AFTER"):
+                    llm.eval([token])
+                assert llm.n_tokens == n_before
+            llm.eval([token])
+            rows.append(np.array(llm.scores[llm.n_tokens - 1]))
+            reads.append(llm.moe_stats()["total"]["n_reads"])
+        return np.array(rows), reads, llm.moe_stats()["total"]
+
+    def load():
+        return Llama(str(path), moe_slots=4, moe_repack=repack, moe_preload=False, n_ctx=256,
+                     logits_all=True, verbose=False)
+
+    llm = load()
+    try:
+        clean, reads, total = decode(llm)
+    finally:
+        llm.close()
+    assert total["overlapped"] > 0, total
+    # a token after the first two (its reads overlap) that reads something
+    k = next(k for k in range(2, n_decode) if reads[k + 1] > reads[k])
+    monkeypatch.setenv("EMPANEL_FAULT_READ_COUNT", "1")
+    for after in (reads[k] + 1, reads[k + 1]):  # its first read request, its last
+        monkeypatch.setenv("EMPANEL_FAULT_READ_AFTER", str(after))
+        llm = load()
+        try:
+            again, _, _ = decode(llm, fail_at=k)
+        finally:
+            llm.close()
+        assert np.array_equal(again, clean), after
+
+
 # ------------------------------------------------------------------------------------------------
 # 6. the guard's contract: the estimate is not below what the load really holds
 

@@ -48,13 +48,14 @@ def test_vulkan_pools_bit_identical_to_vulkan_resident(tmp_path):
 
 
 def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
-    """Prompts that route to more experts than the pools hold run in waves on Vulkan too, masked:
-    each wave multiplies every pair (the other waves' over distinct filler slots of their token)
-    and its product times a 0/1 mask is added to the sum. Every
-    llama-cpp-python default kept (n_batch = n_ubatch = 512); prompts of 9, 100 and 700 tokens
-    (more than n_batch) and 8 greedy tokens give the logits of the same build without slots."""
+    """Prompts that route to more experts than the pools hold run in waves on Vulkan too, as on
+    the CPU: each wave's MUL_MAT_ID skips the other waves' pairs (slot id -1; patch 0011) and
+    writes into the previous wave's output. Every llama-cpp-python default kept (n_batch =
+    n_ubatch = 512); prompts of 5 (the matrix-vector kernels), 9, 100 and 700 tokens (more than
+    n_batch) and 8 greedy tokens give the logits of the same build without slots. Masked waves
+    (EMPANEL_WAVE_MASK=1: every pair multiplied, a 0/1 mask keeps each wave's) too, on one fixture."""
     code = textwrap.dedent("""
-        import json, sys
+        import json, os, sys
         import numpy as np
         from empanel_gguf import Llama, fixtures
         from empanel_gguf.exactness import greedy_logits
@@ -72,13 +73,17 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
         for name in sys.argv[2].split(","):
             spec = fixtures.FIXTURES[name]
             path = fixtures.write_fixture(name, sys.argv[1])
-            for n_prompt in (9, 100, 700):
+            for n_prompt in (5, 9, 100, 700):
                 ref, ref_tokens, _, ref_ubatch = run(path, None, n_prompt)
-                for slots in (spec.n_expert_used, "25%"):
+                modes = [(spec.n_expert_used, "0"), ("25%", "0")]
+                if name == "qwen3moe-q4_k" and n_prompt in (5, 100):
+                    modes.append(("25%", "1"))
+                for slots, mask in modes:
+                    os.environ["EMPANEL_WAVE_MASK"] = mask
                     # 25 %: the gate-ahead guess reads ahead into the device pools as well
                     got, tokens, stats, ubatch = run(path, slots, n_prompt, 1 if slots == "25%" else 0)
                     total = stats["total"]
-                    rows.append(dict(name=name, slots=str(slots), n_prompt=n_prompt, ubatch=ubatch,
+                    rows.append(dict(name=name, slots=str(slots), n_prompt=n_prompt, ubatch=ubatch, mask=mask,
                                      ref_ubatch=ref_ubatch, same_tokens=tokens == ref_tokens,
                                      identical=bool(np.array_equal(got, ref)),
                                      max_diff=float(np.abs(got - ref).max()),
@@ -92,12 +97,15 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ROWS ")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(lines[0][5:])
-    assert len(rows) == 3 * 3 * 2
+    assert len(rows) == 3 * 4 * 2 + 2
     for row in rows:
         assert row["ubatch"] == row["ref_ubatch"] == 512, row  # no cap
         assert row["identical"] and row["same_tokens"], row
-        assert row["masked_pools"] > 0, row  # device pools: masked waves
-        if row["n_prompt"] >= 100:
+        if row["mask"] == "1":
+            assert row["masked_pools"] > 0, row
+        else:
+            assert row["masked_pools"] == 0, row  # Vulkan device pools skip pairs
+        if row["n_prompt"] in (5, 100, 700):
             assert row["n_waves"] > row["n_remaps"], row  # the prompt ran in waves
     assert any(row["prefetched"] > 0 for row in rows)  # read-ahead into device pools ran
 
@@ -222,7 +230,7 @@ def test_host_tier_serves_device_misses_bit_identical(tmp_path):
     every expert the second pass of the prompt reads nothing from the drive; with a tier of half the
     experts some misses come from it, the others from the drive."""
     code = textwrap.dedent("""
-        import json, sys
+        import json, os, sys
         import numpy as np
         from empanel_gguf import Llama, fixtures
         from empanel_gguf.exactness import greedy_logits

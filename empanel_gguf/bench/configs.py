@@ -25,6 +25,8 @@ class Config:
     plain: bool = False  # empanel-<slots>/plain: no CPU repack buffers (use_extra_bufts=False): plain pools
     bounce: bool = False  # empanel-<slots>/bounce: no read lands in place (EMPANEL_READ_BOUNCE=1), the
                           # copies that zero-copy reads save, measured side by side
+    sync: bool = False  # empanel-<slots>/sync: every remap waits for its reads (EMPANEL_READ_SYNC=1), the
+                        # overlap of reads and compute in decode measured side by side
 
     @property
     def key(self):
@@ -50,12 +52,14 @@ def parse_config(text: str, top_k: int) -> list[Config]:
         value, *parts = name[len(EMPANEL) + 1:].split("/")
         kind, ra = EMPANEL, None
         slots = top_k if value == "min" else int(value) if value.isdigit() else value
-        policy, opts, plain, bounce = None, {}, False, False
+        policy, opts, plain, bounce, sync = None, {}, False, False, False
         for part in parts:
             if part == "plain":  # pools in the plain layout: reads land in the slots, no repack
                 plain = True
             elif part == "bounce":  # every read copied out of a bounce buffer (as before zero-copy reads)
                 bounce = True
+            elif part == "sync":  # reads never overlap the layer's compute (as before empanel_ready)
+                sync = True
             elif "=" in part:  # a Llama moe_* option of this run: prefetch=1, guess=off, profile=PATH
                 key, opt = parse_opt(part)
                 opts[key if key.startswith("moe_") else f"moe_{key}"] = opt
@@ -63,11 +67,11 @@ def parse_config(text: str, top_k: int) -> list[Config]:
                 policy = part
             else:
                 raise SystemExit(f"bench: config '{text}': '{part}' is neither a policy "
-                                 f"({', '.join(ENGINE_POLICIES)}), 'plain', 'bounce' nor key=value")
-        return [Config(name, c, kind, slots, ra, policy, opts or None, plain, bounce) for c in caps]
+                                 f"({', '.join(ENGINE_POLICIES)}), 'plain', 'bounce', 'sync' nor key=value")
+        return [Config(name, c, kind, slots, ra, policy, opts or None, plain, bounce, sync) for c in caps]
     else:
         raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
-                         "empanel-<N|P%|size|min|auto>[/<policy>][/plain][/bounce][/<key>=<value>...], each optionally "
+                         "empanel-<N|P%|size|min|auto>[/<policy>][/plain][/bounce][/sync][/<key>=<value>...], each optionally "
                          "@none or @cap")
     return [Config(name, c, kind, slots, ra) for c in caps]
 

@@ -97,6 +97,8 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         if cfg.bounce:
             env["EMPANEL_READ_BOUNCE"] = "1"
+        if cfg.sync:
+            env["EMPANEL_READ_SYNC"] = "1"
         t0 = time.perf_counter()
         jiffies0, self0 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
         with open(log_path, "wb") as out:

@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 // bumped whenever a function below changes; empanel-gguf refuses a library with another version
-#define LLAMA_EMPANEL_API_VERSION 9
+#define LLAMA_EMPANEL_API_VERSION 10
 
 // the O_DIRECT block of the sidecar's reads, bytes: plain host pools are placed at their file
 // offset modulo this so that reads land in their slots
@@ -116,6 +116,20 @@ extern "C" {
             int32_t         n_tokens);
 
     LLAMA_API void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt);
+
+    // reads that overlap the layer's compute: where a paged layer's micro-batch fits its pools
+    // and a pool is in host memory, its MUL_MAT_ID first calls `ready` for that pool tensor (in
+    // the graph's order, after the layer's remap), which returns once the experts the remap
+    // placed in its slots hold their bytes; so the remap may return before its reads are done,
+    // and one pool's reads go on while another's experts compute. Returns 0, or non-zero on
+    // failure (the graph then runs on slot 0 and the caller's abort callback must stop it). Call
+    // after llama_empanel_set_plan, before the load; NULL (the default) builds none.
+    typedef int32_t (*llama_empanel_ready_fn)(
+            void                     * user,
+            int32_t                    il,
+            const struct ggml_tensor * pool);
+
+    LLAMA_API void llama_empanel_set_ready(llama_empanel_ready_fn ready);
 
     // pinned pools: every paged layer whose pools hold all the model's experts (n_slots >=
     // n_expert) holds expert e in slot e from before its first graph computation on (the caller

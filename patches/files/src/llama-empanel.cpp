@@ -60,6 +60,7 @@ struct llama_empanel_layer {
     llama_empanel_guess_fn guess = nullptr;
     llama_empanel_subst_fn subst = nullptr;
     int32_t                subst_alt = 0;
+    llama_empanel_ready_fn ready = nullptr;
     ggml_tensor          * router      = nullptr; // ffn_gate_inp.weight [n_embd, n_expert]
     ggml_tensor          * router_bias = nullptr; // ffn_gate_inp.bias, or NULL
     ggml_tensor          * probs_bias  = nullptr; // exp_probs_b.bias (selection bias), or NULL
@@ -72,8 +73,10 @@ struct llama_empanel_layer {
     bool                   waves    = false; // micro-batches larger than the pools run in waves
     std::set<const ggml_tensor *> masked;     // pools whose waves are masked (no kernel skip)
 
-    // userdata of the wave remap ops built so far, by (pool, wave, n_waves)
+    // userdata of the wave remap ops built so far, by (pool, wave, n_waves); of the ready ops, by
+    // pool (wave 0 of 1)
     std::map<std::tuple<const ggml_tensor *, int32_t, int32_t>, std::unique_ptr<llama_empanel_wave>> wave_ops;
+    std::map<const ggml_tensor *, std::unique_ptr<llama_empanel_wave>>                               ready_ops;
 };
 
 // the plan and the pools of the load running on this thread
@@ -81,12 +84,14 @@ struct llama_empanel_load {
     std::vector<int32_t>   n_slots; // [n_layer]
     int32_t                n_expert = 0;
     bool                   gpu      = false; // a GPU backend may compute on plain host pools
+    bool                   mask_all = false; // EMPANEL_WAVE_MASK=1: device and plain host pools masked
     llama_empanel_remap_fn remap = nullptr;
     void                 * user  = nullptr;
     llama_empanel_guess_fn guess = nullptr;
     int32_t                guess_depth = 0;
     llama_empanel_subst_fn subst = nullptr;
     int32_t                subst_alt = 0;
+    llama_empanel_ready_fn ready = nullptr;
     bool                   pinned    = false;
     std::map<int32_t, ggml_tensor *> routers, router_biases, probs_biases; // il -> tensor
 
@@ -109,6 +114,13 @@ static std::mutex                                            g_mutex;
 static std::map<const llama_model *, llama_empanel_model>   g_models;
 static std::map<const ggml_tensor *, llama_empanel_layer *> g_pool_layer; // pool tensor -> its layer
 
+// the backends whose MUL_MAT_ID kernels skip pairs with slot id -1, as wave chains need: the CPU
+// (patch 0005) and Vulkan (patch 0011). The others' pools run masked waves
+static bool empanel_backend_skips_pairs(ggml_backend_reg_t reg) {
+    const char * name = reg != nullptr ? ggml_backend_reg_name(reg) : "";
+    return strcmp(name, "CPU") == 0 || strcmp(name, "Vulkan") == 0;
+}
+
 // a GPU (or iGPU) backend's device is registered: op offload may take plain host pools'
 // MUL_MAT_IDs to it. RPC devices do not count (they never offload; their pools are device pools)
 static bool empanel_offload_gpu() {
@@ -128,10 +140,12 @@ void llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empa
     g_load->n_slots.assign(n_slots, n_slots + n_layer);
     g_load->remap = remap;
     g_load->user  = user;
-    // op offload may take plain host pools' MUL_MAT_IDs to a GPU. EMPANEL_WAVE_MASK=1 treats any
-    // build so (tests run masked waves on the CPU)
+    // op offload may take plain host pools' MUL_MAT_IDs to a GPU. EMPANEL_WAVE_MASK=1 masks the
+    // waves of device and plain host pools on any build (tests run masked waves on the CPU;
+    // scripts/gpu_check.py --waves compares them on a GPU)
     const char * mask = getenv("EMPANEL_WAVE_MASK");
-    g_load->gpu = empanel_offload_gpu() || (mask != nullptr && strcmp(mask, "1") == 0);
+    g_load->mask_all = mask != nullptr && strcmp(mask, "1") == 0;
+    g_load->gpu      = empanel_offload_gpu();
 }
 
 void llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth) {
@@ -145,6 +159,12 @@ void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt) {
     if (g_load) {
         g_load->subst     = subst;
         g_load->subst_alt = subst != nullptr && n_alt > 0 ? n_alt : 0;
+    }
+}
+
+void llama_empanel_set_ready(llama_empanel_ready_fn ready) {
+    if (g_load) {
+        g_load->ready = ready;
     }
 }
 
@@ -297,6 +317,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
             layer->user     = g_load->user;
             layer->subst    = observe ? nullptr : g_load->subst;
             layer->subst_alt = g_load->subst_alt;
+            layer->ready    = observe ? nullptr : g_load->ready;
             layer->observe  = observe;
             layer->n_slots  = observe ? 0 : g_load->n_slots[il];
             layer->n_expert = g_load->n_expert;
@@ -336,10 +357,15 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
             llama_empanel_layer * layer = layer_for(empanel_expert_weight_layer(ggml_get_name(t)), false);
             layer->n_pools++;
-            // the CPU kernels skip other waves' pairs; pools a GPU kernel may compute on (device
-            // memory; plain host memory that op offload may copy) mask them instead. CPU_REPACK
-            // pools are never offloaded (their buffer is not plain host memory)
-            if (!empanel_buffer_in_host_memory(buf) || (ggml_backend_buffer_is_host(buf) && g_load->gpu)) {
+            // the CPU and Vulkan kernels skip other waves' pairs; pools another backend's kernel
+            // may compute on (its device memory; plain host memory that op offload may copy, since
+            // the scheduler copies a weight to the device once per graph) mask them instead.
+            // CPU_REPACK pools are never offloaded (their buffer is not plain host memory)
+            ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
+            const bool device_masks  = !empanel_buffer_in_host_memory(buf) && (g_load->mask_all || dev == nullptr ||
+                                       !empanel_backend_skips_pairs(ggml_backend_dev_backend_reg(dev)));
+            const bool offload_masks = ggml_backend_buffer_is_host(buf) && (g_load->gpu || g_load->mask_all);
+            if (device_masks || offload_masks) {
                 layer->masked.insert(t);
             }
             entry.pools[ggml_get_name(t)] = t;
@@ -466,7 +492,8 @@ static void empanel_wave_first_op(ggml_tensor * dst, const ggml_tensor * a, int 
     }
 }
 
-// a later wave: a = expert ids, b = the previous wave's MUL_MAT_ID (only to run after it)
+// a later wave: a = expert ids, b = one element of the previous wave's MUL_MAT_ID (only to run
+// after it)
 static void empanel_wave_next_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     GGML_UNUSED(b);
     empanel_wave_first_op(dst, a, ith, nth, userdata);
@@ -688,8 +715,47 @@ static ggml_tensor * empanel_masked_wave(ggml_context * ctx, ggml_tensor * w, gg
     return sum == nullptr ? part : ggml_add(ctx, sum, part);
 }
 
+// CPU op: dst = a (slot ids), once the experts the remap placed in pool `userdata->pool` hold their bytes
+static void empanel_ready_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto * ready = (const llama_empanel_wave *) userdata;
+    if (ready->layer->ready(ready->layer->user, ready->layer->il, ready->pool) == 0) {
+        memcpy(dst->data, a->data, ggml_nbytes(a));
+    } else {
+        memset(dst->data, 0, ggml_nbytes(dst)); // slot 0; the sidecar's abort callback stops this graph
+    }
+}
+
+// one wave over pool w (ids: the layer's slot ids): in host memory, the MUL_MAT_ID first waits for
+// the pool's reads (llama_empanel_set_ready), while the reads of the layer's other pools go on
+static ggml_tensor * empanel_ready_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
+    llama_empanel_layer * layer = empanel_layer_of(w);
+    if (layer == nullptr || layer->ready == nullptr || layer->pinned || layer->observe ||
+        w->buffer == nullptr || !empanel_buffer_in_host_memory(w->buffer)) {
+        return ggml_mul_mat_id(ctx, w, cur, ids);
+    }
+    llama_empanel_wave * ready;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto & op = layer->ready_ops[w];
+        if (!op) {
+            op = std::make_unique<llama_empanel_wave>(llama_empanel_wave { layer, w, 0, 1 });
+        }
+        ready = op.get();
+    }
+    ggml_tensor * slots = ggml_map_custom1(ctx, ids, empanel_ready_op, 1, ready);
+    ggml_format_name(slots, "ffn_moe_slots-%d-ready", layer->il);
+    return ggml_mul_mat_id(ctx, w, cur, slots);
+}
+
 ggml_tensor * llama_empanel_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
-    llama_empanel_layer * layer = empanel_is_slot_ids(ids) ? nullptr : empanel_layer_of(w);
+    if (empanel_is_slot_ids(ids)) {
+        return empanel_ready_mul_mat_id(ctx, w, cur, ids);
+    }
+    llama_empanel_layer * layer = empanel_layer_of(w);
     if (layer == nullptr || layer->observe || layer->pinned) {
         return ggml_mul_mat_id(ctx, w, cur, ids);
     }
@@ -714,17 +780,19 @@ ggml_tensor * llama_empanel_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml
             out = empanel_masked_wave(ctx, w, cur, ids, wave, out);
             continue;
         }
+        // a later wave's remap waits on one element of the previous wave's product (on a device
+        // pool: 4 bytes to the host)
         ggml_tensor * slots = out == nullptr
             ? ggml_map_custom1(ctx, ids, empanel_wave_first_op, 1, wave)
-            : ggml_map_custom2(ctx, ids, out, empanel_wave_next_op, 1, wave);
+            : ggml_map_custom2(ctx, ids, ggml_view_1d(ctx, out, 1, 0), empanel_wave_next_op, 1, wave);
         ggml_format_name(slots, "ffn_moe_slots-%d.%d", layer->il, iw);
 
         if (out == nullptr) {
             out = ggml_mul_mat_id(ctx, w, cur, slots);
             continue;
         }
-        // the same MUL_MAT_ID, written into the previous wave's output (src[3]): the CPU kernel
-        // leaves the rows of skipped pairs (slot id -1) as they are
+        // the same MUL_MAT_ID, written into the previous wave's output (src[3]): the CPU and
+        // Vulkan kernels leave the rows of skipped pairs (slot id -1) as they are
         ggml_tensor * acc = ggml_view_tensor(ctx, out);
         acc->op     = GGML_OP_MUL_MAT_ID;
         acc->src[0] = w;
@@ -767,7 +835,7 @@ uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_t
         if (layer->pinned) {
             continue; // stock's graph
         }
-        // per wave and pool a remap and a MUL_MAT_ID (masked: also views, the mask, the mul and
+        // per wave and pool a remap, a view and a MUL_MAT_ID (masked: also the mask, the mul and
         // the add); at most n_expert used per token (a warmup routes to all of them), and room for
         // the cb() names' views
         n += 8u * (uint32_t) (empanel_n_waves(layer.get(), n_tokens, layer->n_expert) * layer->n_pools) + 2u;
