@@ -94,6 +94,7 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(remap_ns,        counter, "remap_seconds_total",   "Time spent in the remap step.") \
     X(wait_ns,         counter, "",                      "Time the graph waited for reads (the rest of read time was hidden).") \
     X(overlapped,      counter, "",                      "Remaps whose misses were read while the layer computed (each pool waited for its own).") \
+    X(ready_ns,        counter, "",                      "Time the pools' MUL_MAT_IDs waited for those reads (in wait_ns; not in remap_ns).") \
     X(n_waves,         counter, "",                      "Waves over all micro-batches (per micro-batch: n_waves / n_remaps).") \
     X(preloaded,       counter, "",                      "Experts read into empty slots at load (in bytes_read, not in misses).") \
     X(guessed,         counter, "",                      "Distinct experts the gate-ahead guesses named for this layer.") \

@@ -609,7 +609,9 @@ int empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * 
     }
     const uint64_t t0 = empanel_now_ns();
     const int rc = reader_wait_tensor(pool, tensor);
-    layer->stats.wait_ns += empanel_now_ns() - t0;
+    const uint64_t waited = empanel_now_ns() - t0;
+    layer->stats.wait_ns  += waited;
+    layer->stats.ready_ns += waited;
     return rc;
 }
 

@@ -205,14 +205,16 @@ def sample_metrics(s: dict) -> dict:
             # what the drive delivered (aligned windows) while the reader read
             drive_bytes = moe.get("io_bytes") or moe.get("bytes_read", 0)
             m[f"{ph}_reader_gbps"] = drive_bytes / read_s / 1e9 if read_s else None
-            m[f"{ph}_wait_ms"] = 1000 * moe.get("remap_s", 0) / n
+            # the graph stopped for the remap op and (reads that overlap the layer) the ready ops
+            stalled = moe.get("remap_s", 0) + moe.get("ready_s", 0)
+            m[f"{ph}_wait_ms"] = 1000 * stalled / n
             m[f"{ph}_read_ms"] = 1000 * read_s / n
             if "write_s" in moe:
                 m[f"{ph}_write_ms"] = 1000 * moe["write_s"] / n
             # the readers' CPU (reads, copies out of bounce buffers, repacks, hashes) and copies
             m[f"{ph}_read_cpu_ms"] = 1000 * moe.get("read_cpu_s", 0) / n
             m[f"{ph}_bounce_per_tok"] = moe.get("bounce_bytes", 0) / n
-            m[f"{ph}_compute_ms"] = 1000 * (sec - moe.get("remap_s", 0)) / n
+            m[f"{ph}_compute_ms"] = 1000 * (sec - stalled) / n
             remaps = moe.get("n_remaps", 0)
             m[f"{ph}_waves"] = moe.get("n_waves", 0) / remaps if remaps else None  # per layer, micro-batch
             m[f"{ph}_read_bytes"] = moe.get("bytes_read", 0)
