@@ -118,21 +118,21 @@ int empanel_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer,
 }
 
 // the misses of a micro-batch may be read while the layer computes: every tensor's MUL_MAT_ID
-// waited for its own reads last time (empanel_ready), its pools are in this process's host
-// memory, and the batch's staging (CPU_REPACK pools) stays bounded (32 MiB)
-static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer, int32_t n) {
+// waited for its own reads last time (empanel_ready), and its pools are plain host memory that
+// the reads land in. CPU_REPACK pools are not: their readers repack every expert, and on two
+// cores that CPU taken from the compute cost more than the overlap gave (decode 1.0 vs 1.5 t/s
+// on the 48-layer 30B shape under the cap, docs/performance.md)
+static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer) {
     if (!layer->ready_armed || pool->lab || pool->inflight) {
         return 0;
     }
-    uint64_t staged_per_expert = 0;
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
-        if (t->host == NULL || t->remote) {
+        if (!t->direct || t->remote) {
             return 0;
         }
-        staged_per_expert += empanel_staged_bytes(t);
     }
-    return staged_per_expert * (uint64_t) n <= 4 * (uint64_t) EMPANEL_STAGING;
+    return 1;
 }
 
 // as empanel_fill_slots, but the reads are posted, not waited for: each tensor's MUL_MAT_ID waits
@@ -288,7 +288,7 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
         claim_slot(pool, layer, s, call);
         layer->victims[i] = s;
     }
-    if (n_miss > 0 && (overlap && overlap_reads(pool, layer, n_miss) ? fill_slots_overlapped(pool, layer, n_miss)
+    if (n_miss > 0 && (overlap && overlap_reads(pool, layer) ? fill_slots_overlapped(pool, layer, n_miss)
                                                           : empanel_fill_slots(pool, layer, n_miss)) != 0) {
         return -1;
     }

@@ -372,9 +372,10 @@ def test_guess_and_prefetch_bit_identical(fixture_dir, name, prefetch):
 def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
     """In decode a layer's remap posts its misses and returns; each pool's MUL_MAT_ID first waits
     for its own tensor's reads (empanel_ready), so one tensor's experts compute while the next
-    tensor's are read. Bit-identical to stock at its defaults (repacked pools) and to stock
-    --no-repack (plain pools, reads in place), with read-ahead too (posted once the overlapped
-    reads are done); EMPANEL_READ_SYNC=1 waits for every read in the remap, as before."""
+    tensor's are read. Plain pools (reads in place) do so, bit-identical to stock --no-repack,
+    with read-ahead too (posted once the overlapped reads are done); CPU_REPACK pools (stock's
+    defaults, where the type has a repacked layout) keep waiting in the remap, bit-identical to
+    stock; EMPANEL_READ_SYNC=1 waits for every read in the remap, as before."""
     path = fixtures.write_fixture(name, fixture_dir)
     for repack in (True, False):
         ref_logits, ref_tokens, _, _ = (baseline(path, 9) if repack else
@@ -383,8 +384,10 @@ def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
             logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=prefetch)
             assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, prefetch)
             t = stats["total"]
-            # every decoded token but the first (the graph's ready calls are seen once first)
-            assert t["overlapped"] >= N_GREEDY // 2, (repack, prefetch, t)
+            if not repack:  # every decoded token but the first (the ready calls are seen first)
+                assert t["overlapped"] >= N_GREEDY // 2, (prefetch, t)
+            elif name == "qwen3moe-q4_k":  # CPU_REPACK pools: the readers repack, no overlap
+                assert t["overlapped"] == 0, (prefetch, t)
             if prefetch and len(load_index(path).layers) > 1:
                 assert t["prefetched"] > 0, t
     monkeypatch.setenv("EMPANEL_READ_SYNC", "1")
