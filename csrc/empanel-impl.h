@@ -397,17 +397,14 @@ int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer *
 int      empanel_read_post   (struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
                               const int32_t * experts, const int32_t * slots, int32_t n);
 // start reading n experts of every tensor of a layer into their slots and return (as
-// empanel_read_post, all tensors at once)
+// empanel_read_post, all tensors at once); order: the tensors' indices in the order to read them,
+// each to be waited for on its own (empanel_read_wait_tensor), or NULL
 int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
-                                 const int32_t * experts, const int32_t * slots, int32_t n);
-// start reading n experts of every tensor of a layer, tensor by tensor in `order` (indices in
-// layer->tensors), each to be waited for on its own (empanel_read_wait_tensor)
-int      empanel_read_post_ready(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n,
                                  const int32_t * order);
-// wait until the layer's batch in flight (empanel_read_post_ready) has landed the experts of one
-// tensor, reading alongside the threads; 0 (also if no such batch is in flight), or -1 if a read
-// of the batch failed
+// wait until the layer's batch in flight (empanel_read_post_layer with an order) has landed
+// the experts of one tensor, reading alongside the threads; 0 (also if no such batch is in
+// flight), or -1 if a read of the batch failed
 int      empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
 // wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
@@ -426,6 +423,8 @@ uint8_t * empanel_host_cache_get(struct empanel_pool * pool, struct empanel_laye
 // the read of tensor ti of (layer, expert) into its entry succeeded (ok) or failed
 void     empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_layer * layer, int32_t ti,
                                    int32_t expert, int ok);
+// the reads of the batch in flight into tier entries: held there if it succeeded (ok), else not
+void     empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok);
 // where expert e's bytes of tensor t start in its file
 static inline uint64_t empanel_expert_begin(const struct empanel_tensor * t, int32_t e) {
     return t->offset + (uint64_t) e * t->expert_size;

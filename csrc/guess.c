@@ -80,7 +80,7 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
     }
     empanel_sort_file_order(layer, n_read);
     layer->prefetch_open = 1; // a failed read empties the slots again (reconcile)
-    if (empanel_files_check(pool) == 0 && empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n_read) == 0) {
+    if (empanel_files_check(pool) == 0 && empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n_read, NULL) == 0) {
         layer->stats.prefetched += (uint64_t) n_read;
         for (int32_t i = 0; i < n_read; i++) {
             layer->prefetch_mark[layer->victims[i]] = 1;

@@ -169,3 +169,13 @@ void empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_
         hc->held[e] = ok ? (uint8_t) (hc->held[e] | (1u << ti)) : (uint8_t) (hc->held[e] & ~(1u << ti));
     }
 }
+
+void empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok) {
+    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
+        const struct empanel_read_job * job = &pool->jobs[j];
+        if (job->tier == 1) {
+            const struct empanel_layer * layer = pool->inflight_layer;
+            empanel_host_cache_landed(pool, layer, (int32_t) (job->tensor - layer->tensors), job->expert, ok);
+        }
+    }
+}

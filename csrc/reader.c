@@ -594,11 +594,6 @@ int empanel_read_post(struct empanel_pool * pool, struct empanel_layer * layer, 
 }
 
 int empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
-                            const int32_t * experts, const int32_t * slots, int32_t n) {
-    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, NULL) : 0;
-}
-
-int empanel_read_post_ready(struct empanel_pool * pool, struct empanel_layer * layer,
                             const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order) {
     return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, order) : 0;
 }
@@ -615,18 +610,6 @@ int empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * 
     return rc;
 }
 
-// the batch's reads into host-tier entries: held there if it succeeded, else not
-static void tier_landed(struct empanel_pool * pool, int ok) {
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        const struct empanel_read_job * job = &pool->jobs[j];
-        if (job->tier == 1) {
-            const struct empanel_tensor * t = job->tensor;
-            const struct empanel_layer  * layer = pool->inflight_layer;
-            empanel_host_cache_landed(pool, layer, (int32_t) (t - layer->tensors), job->expert, ok);
-        }
-    }
-}
-
 int empanel_read_finish(struct empanel_pool * pool) {
     if (!pool->inflight) {
         return 0;
@@ -640,7 +623,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
 
     struct empanel_layer * layer = pool->inflight_layer;
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
-        tier_landed(pool, 0);
+        empanel_host_cache_batch_landed(pool, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
@@ -654,7 +637,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
                 return -1;
             }
         } else if (convert_job(pool, job) != 0) {
-            tier_landed(pool, 0);
+            empanel_host_cache_batch_landed(pool, 0);
             return -1;
         } else {
             layer->stats.copy_bytes += job->tensor->expert_size;
@@ -663,14 +646,14 @@ int empanel_read_finish(struct empanel_pool * pool) {
         }
     }
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
-        tier_landed(pool, 0);
+        empanel_host_cache_batch_landed(pool, 0);
         return -1; // a reader thread's conversion failed
     }
     if (empanel_files_check(pool) != 0) {
-        tier_landed(pool, 0);
+        empanel_host_cache_batch_landed(pool, 0);
         return -1; // written to while we read: the bytes may be torn
     }
-    tier_landed(pool, 1); // the host tier's entries hold what was read
+    empanel_host_cache_batch_landed(pool, 1); // the host tier's entries hold what was read
     layer->reads_open = ready ? 0 : layer->reads_open; // its tables hold from now on
     for (int32_t j = 0; j < pool->inflight_jobs; j++) {
         const struct empanel_read_job * job = &pool->jobs[j];

@@ -143,7 +143,7 @@ static int fill_slots_overlapped(struct empanel_pool * pool, struct empanel_laye
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         order[layer->ready_rank[i]] = i; // ranks 0 .. n_tensors - 1: every tensor's call was seen
     }
-    if (empanel_read_post_ready(pool, layer, layer->misses, layer->victims, n, order) != 0) {
+    if (empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n, order) != 0) {
         if (pool->policy == EMPANEL_POLICY_GLRU) {
             pool->resident_bytes -= (uint64_t) n * layer->expert_bytes;
         }
@@ -630,37 +630,6 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
     if (il >= 0 && il < pool->n_layer) {
         pool->layers[il].stats.remap_ns     += empanel_now_ns() - t0;
         pool->layers[il].stats.device_syncs += (uint64_t) pool->layers[il].device;
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return rc;
-}
-
-int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
-    struct empanel_pool * pool = user;
-    pthread_mutex_lock(&pool->lock);
-    struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
-    int32_t ti = -1;
-    for (int32_t i = 0; layer != NULL && i < layer->n_tensors; i++) {
-        ti = layer->tensors[i].pool == pool_tensor ? i : ti;
-    }
-    int32_t rc = atomic_load(&pool->failed) ? -1 : 0; // (the graph is being stopped)
-    if (ti >= 0 && rc == 0) {
-        if ((layer->ready_seen & (1u << ti)) == 0) {
-            layer->ready_seen       |= 1u << ti;
-            layer->ready_rank[ti]    = layer->ready_next++;
-        }
-        // the layer's last tensor: its batch is accounted for here, nothing stays in flight
-        const int last = layer->ready_seen == (1u << layer->n_tensors) - 1 && pool->inflight &&
-                         pool->inflight_ready && pool->inflight_layer == layer;
-        if (empanel_read_wait_tensor(pool, layer, ti) != 0 || (last && empanel_read_finish(pool) != 0)) {
-            empanel_read_finish(pool); // nothing stays in flight after a failure
-            if (!atomic_load(&pool->failed)) {
-                empanel_set_error(pool, "reading the experts of layer %d failed", il);
-            }
-            rc = -1;
-        } else if (last) {
-            empanel_guess_post_deferred(pool); // the reader is free for a read-ahead again
-        }
     }
     pthread_mutex_unlock(&pool->lock);
     return rc;
