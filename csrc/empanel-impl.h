@@ -120,6 +120,10 @@ struct empanel_read_job {
     int        tier;        // host-RAM tier (host_cache.c): 0 none; 1 read into its entry (dst);
                             // 2 its entry holds the bytes already: nothing to read (a host hit)
     atomic_int chunks_left;
+    atomic_int dropped;     // a read-ahead its layer's remap did not route: chunks not yet taken are
+                            // skipped (empanel_read_drop)
+    int        landed;      // every byte read (and checked, converted): set by the landing thread
+    atomic_ullong skipped;  // payload bytes of its chunks skipped (dropped)
     uint64_t   verify_ns;   // time its thread took to hash it (moe_verify)
     uint64_t   remote_hash; // RPC pools: FNV-1a of the bytes read, taken by the thread landing them
 };
@@ -166,6 +170,8 @@ struct empanel_reader {
     int             direct;       // reads use O_DIRECT
     int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
                                   // the copies zero-copy reads save, measured side by side)
+    int             drop_ahead;   // read-ahead not routed is dropped (EMPANEL_READ_AHEAD_KEEP=1: read whole,
+                                  // as before, measured side by side)
 
     pthread_mutex_t mutex;
     pthread_cond_t  cond_work;    // a batch is posted (or stop)
@@ -183,6 +189,8 @@ struct empanel_reader {
     atomic_int                   busy;   // threads working on the batch
     atomic_int                   batch_failed; // a chunk of this batch failed or was skipped
     atomic_ullong                cpu_ns; // CPU time the threads spent on this batch
+    atomic_ullong                skipped_io;     // file bytes of dropped chunks not read (empanel_read_drop)
+    atomic_ullong                skipped_bounce; // payload of those that would have been copied
 };
 struct empanel_pool {
     pthread_mutex_t lock;   // one remap at a time
@@ -223,6 +231,8 @@ struct empanel_pool {
     // the batch of reads in flight (posted, not finished): at most one
     int                       inflight;
     int                       inflight_ready;  // its tensors are waited for one by one (empanel_ready)
+    int                       inflight_ahead;  // a read-ahead whose unrouted experts may be dropped
+    int                       inflight_dropped; // some of its read-ahead was dropped (empanel_read_drop)
     atomic_int                inflight_left[EMPANEL_MAX_TENSORS];      // jobs of tensor i not landed
     int32_t                   inflight_chunk_end[EMPANEL_MAX_TENSORS]; // chunks up to tensor i's last
     struct empanel_layer    * inflight_layer;
@@ -279,6 +289,10 @@ void empanel_lru_unlink(struct empanel_pool * pool, int32_t e);
 void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e);
 // slot s stops holding what a read-ahead put there before its micro-batch came: wasted bytes
 void empanel_prefetch_drop(struct empanel_layer * layer, int32_t s);
+// guess.c: a read-ahead of this layer still in flight reads none of the guessed experts that the
+// micro-batch's expert ids [n_used, n_tokens] do not route to (empanel_read_drop)
+void empanel_prefetch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
+                                    int64_t ids_row_stride, int32_t n_used, int32_t n_tokens);
 // g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
 // bytes fit in the budget
 void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
@@ -388,6 +402,15 @@ int      empanel_files_check (struct empanel_pool * pool);
 // reader.c
 int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);
+// reader.c, for batch.c: post a batch's chunks to the threads; take chunks alongside them until
+// every chunk is done; wait until tensor ti's experts have landed (batches waited for tensor by
+// tensor; 0, or -1 if a read of the batch failed); staging -> slot (repack, or a copy to the
+// device: 0, or -1 with the error recorded)
+void     empanel_reader_post       (struct empanel_pool * pool, struct empanel_read_job * jobs,
+                                    const struct empanel_chunk * chunks, int32_t n_chunks);
+void     empanel_reader_finish     (struct empanel_pool * pool);
+int      empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti);
+int      empanel_read_convert      (struct empanel_pool * pool, const struct empanel_read_job * job);
 // read n_misses experts of a layer into their slots (misses[i] -> slots[i]), every tensor of the
 // layer; 0, or -1 with the error recorded
 int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
@@ -402,6 +425,18 @@ int      empanel_read_post   (struct empanel_pool * pool, struct empanel_layer *
 int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n,
                                  const int32_t * order);
+// start reading ahead n guessed experts of a layer (experts[i] -> slots[i], every tensor): expert
+// after expert in the order given (the likeliest first), so that empanel_read_drop finds the
+// unlikeliest ones not yet read
+int      empanel_read_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
+                                 const int32_t * experts, const int32_t * slots, int32_t n);
+// the batch in flight is a read-ahead (empanel_read_post_ahead) of `layer`, whose remap routes to
+// the experts in the slots with slot_mark[s] == stamp: the other experts' chunks not yet taken are
+// skipped, and empanel_read_finish leaves their slots marked as holding nothing (reconcile empties
+// them). Bytes skipped count nowhere; bytes already read count as read and wasted; the experts
+// experts not landed whole count in stats.prefetch_dropped
+void     empanel_read_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
+                           uint64_t stamp);
 // wait until the layer's batch in flight (empanel_read_post_layer with an order) has landed
 // the experts of one tensor, reading alongside the threads; 0 (also if no such batch is in
 // flight), or -1 if a read of the batch failed
@@ -425,6 +460,8 @@ void     empanel_host_cache_landed(struct empanel_pool * pool, const struct empa
                                    int32_t expert, int ok);
 // the reads of the batch in flight into tier entries: held there if it succeeded (ok), else not
 void     empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok);
+static inline uint64_t empanel_align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
+static inline uint64_t empanel_align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 // where expert e's bytes of tensor t start in its file
 static inline uint64_t empanel_expert_begin(const struct empanel_tensor * t, int32_t e) {
     return t->offset + (uint64_t) e * t->expert_size;

@@ -33,9 +33,9 @@ struct empanel_tensor_desc {
     const char * name;         // GGUF tensor name, e.g. "blk.3.ffn_down_exps.weight"
 };
 
-// how the pool reads; zeros pick the defaults
+// how the pool reads; zeros pick the defaults (but n_threads: 0 is no reader thread)
 struct empanel_pool_params {
-    int32_t  n_threads;    // reader threads besides the caller (default 8)
+    int32_t  n_threads;    // reader threads besides the caller (0: the caller reads alone)
     uint32_t chunk_bytes;  // bytes per read request (default 256 KiB; rounded to 4 KiB)
     int32_t  direct_io;    // 1: O_DIRECT (default), -1: buffered reads through the page cache
     int32_t  policy;       // enum empanel_policy
@@ -103,6 +103,7 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(prefetched,      counter, "",                      "Experts read ahead from a guess (in bytes_read, not in misses).") \
     X(prefetch_used,   counter, "",                      "Of those, the ones their micro-batch routed to.") \
     X(prefetch_wasted, counter, "",                      "Bytes read ahead for experts their micro-batch did not route to.") \
+    X(prefetch_dropped, counter, "",                     "Read-ahead experts not routed whose reads were dropped before they landed.") \
     X(substituted,     counter, "",                      "(token, expert) pairs whose missing expert got a resident stand-in.") \
     X(verified,        counter, "",                      "Expert tensors read whose bytes were checked against a digest.") \
     X(verify_ns,       counter, "",                      "Time the reader threads spent hashing (summed over threads).") \

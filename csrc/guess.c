@@ -1,6 +1,7 @@
 // The gate-ahead guess and what is built on it: guessed experts are evicted last by the layer's
-// next remap (empanel_guess_close accounts for it), read ahead with params.prefetch, and routing
-// substitution (opt-in, inexact) lets a resident expert stand in for a missing one.
+// next remap (empanel_guess_close accounts for it), read ahead with params.prefetch (the layer's
+// remap drops the reads of guesses it does not route to), and routing substitution (opt-in,
+// inexact) lets a resident expert stand in for a missing one.
 
 #include "empanel.h"
 #include "empanel-impl.h"
@@ -30,8 +31,8 @@ void empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call)
 
 // read ahead the guessed experts of a layer that are not resident, into the slots the policy
 // gives up (never a guessed expert's); g-lru takes only room the budget has, evicting no other
-// layer's expert (that layer may be computing). The tables say where the experts will be; their
-// bytes land before the layer's next remap (it finishes the batch first).
+// layer's expert (that layer may be computing). The tables say where the experts will be; the
+// layer's next remap drops the reads of those it does not route to and finishes the others.
 static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
     const uint64_t stamp = ++layer->wave_stamp;
     for (int32_t i = 0; i < n; i++) {
@@ -78,14 +79,36 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
     if (n_read == 0) {
         return;
     }
-    empanel_sort_file_order(layer, n_read);
+    // read in the guess's order (a token's top-k by score: the likeliest first), expert after
+    // expert, so that the layer's remap finds the unlikeliest still unread and drops those it
+    // does not route to (empanel_read_drop)
     layer->prefetch_open = 1; // a failed read empties the slots again (reconcile)
-    if (empanel_files_check(pool) == 0 && empanel_read_post_layer(pool, layer, layer->misses, layer->victims, n_read, NULL) == 0) {
+    if (empanel_files_check(pool) == 0 && empanel_read_post_ahead(pool, layer, layer->misses, layer->victims, n_read) == 0) {
         layer->stats.prefetched += (uint64_t) n_read;
         for (int32_t i = 0; i < n_read; i++) {
             layer->prefetch_mark[layer->victims[i]] = 1;
         }
     }
+}
+
+// a read-ahead of this layer still in flight: the guessed experts the micro-batch does not route
+// to are read no further (their slots are emptied by the reconcile that follows)
+void empanel_prefetch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
+                                    int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
+    if (!pool->inflight || !pool->inflight_ahead || pool->inflight_layer != layer) {
+        return;
+    }
+    const uint64_t stamp = ++layer->wave_stamp; // slots of the experts routed to
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = row[j];
+            if (e >= 0 && e < pool->n_expert && layer->slot_of[e] >= 0) {
+                layer->wave_mark[layer->slot_of[e]] = stamp;
+            }
+        }
+    }
+    empanel_read_drop(pool, layer, layer->wave_mark, stamp);
 }
 
 int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t * expert_ids, int64_t ids_row_stride,

@@ -263,7 +263,7 @@ struct empanel_pool * empanel_pool_init(
     pool->prefetch    = params != NULL && params->prefetch > 0 ? params->prefetch : 0;
     pool->subst_ratio = params != NULL && params->subst_ratio > 0 ? params->subst_ratio : 0;
     pool->verify      = params != NULL && params->verify;
-    const int32_t  n_threads   = params != NULL && params->n_threads   > 0 ? params->n_threads   : 8;
+    const int32_t  n_threads   = params != NULL && params->n_threads  >= 0 ? params->n_threads   : 8;
     const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
     if (empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {
         empanel_pool_free(pool);

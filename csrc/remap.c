@@ -408,7 +408,11 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
                             int64_t ids_row_stride, int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     struct empanel_layer * layer = remap_layer(pool, il);
     pool->deferred_guess = NULL; // a read-ahead not posted by now comes too late
-    if (layer == NULL || empanel_read_finish(pool) != 0) {
+    if (layer == NULL) {
+        return -1;
+    }
+    empanel_prefetch_drop_unrouted(pool, layer, expert_ids, ids_row_stride, n_used, n_tokens);
+    if (empanel_read_finish(pool) != 0) {
         return -1;
     }
     const uint64_t call = ++pool->call;

@@ -45,7 +45,8 @@ class Llama(llama_cpp.Llama):
             counts halving over time; default), "lru" (per layer, the least recent), or "g-lru"
             (one budget for all layers, the least recent expert of any layer goes; host pools
             take memory only for the experts they hold).
-        moe_io_threads: reader threads besides the decoding thread (default 8).
+        moe_io_threads: reader threads besides the decoding thread (default 8; 0: the decoding
+            thread reads alone, in the remap).
         moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
             all reader threads at once.
         moe_direct_io: read experts with O_DIRECT, bypassing the page cache (default True; falls
@@ -66,7 +67,9 @@ class Llama(llama_cpp.Llama):
             reads; outputs are unchanged.
         moe_prefetch: N > 0 also reads the guessed experts that are not resident while the
             layer N or fewer layers before computes (guesses made N layers ahead; one batch of
-            reads in flight, demand reads first). 0 (default): no read-ahead.
+            reads in flight, demand reads first, the likeliest guesses first). When the guessed
+            layer's remap comes, the reads of guesses it does not route to are dropped unread.
+            0 (default): no read-ahead.
         moe_subst: routing substitution, opt-in and inexact: a ratio r in (0, 1]. When a routed expert
             is not resident, the best resident expert among the router's next top-k choices
             stands in if its score is at least r x the missing one's, with its own routing weight.

@@ -10,6 +10,8 @@ Both configurations are llama.cpp's llama-server of this build with continuous b
     stock     llama-server alone, --no-repack: every weight from the file's mapping (the page cache
               under the cap; with its default CPU_REPACK copy of all weights it cannot load there)
     empanel   empanel-gguf llama-server --moe-slots SLOTS (default 25 %): slot pools, the plan in the program
+    empanel-plain  the same with --moe-repack off: plain pools that reads land in, nothing repacked
+              (as stock here, whose weights stay in their file layout under the cap)
 
 Each load level sends N completions at once (distinct prompts, greedy, --tokens tokens each,
 the end-of-text token ignored) and waits for all; aggregate decode tok/s = tokens generated /
@@ -67,6 +69,13 @@ def metric_sum(base, name):
     return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
+def moe_layout(config):
+    """Our flags for the pools' layout: empanel-plain loads as llama.cpp's --no-repack."""
+    if config not in ("empanel", "empanel-plain"):
+        raise SystemExit(f"bench_server: unknown config {config!r} (stock, empanel, empanel-plain)")
+    return ["--moe-repack", "off"] if config == "empanel-plain" else []
+
+
 def start_server(config, args, cgroup, port, log):
     server_flags = ["-m", args.model, "-np", str(max(args.clients)), "-c", str(args.ctx * max(args.clients)),
                     "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port), "--metrics",
@@ -75,7 +84,7 @@ def start_server(config, args, cgroup, port, log):
         cmd = [str(program_path("llama-server")), *server_flags] + (["--no-repack"] if args.cap > 0 else [])
     else:
         cmd = [sys.executable, "-m", "empanel_gguf", "llama-server", "--moe-slots", args.slots,
-               "--mem-floor", "0", *server_flags]
+               "--mem-floor", "0", *moe_layout(config), *server_flags]
     # the shell moves itself into the group before it becomes the server: all its memory counts
     shell = f"echo $$ > {cgroup.procs} && exec " + " ".join(f"'{c}'" for c in cmd)
     return subprocess.Popen(["sh", "-c", shell], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -174,7 +183,7 @@ def run_llama_bench(config, args, cgroup, out_dir):
         cmd = [str(program_path("llama-bench")), *flags] + (["--repack", "0"] if capped else [])
     else:
         cmd = [sys.executable, "-m", "empanel_gguf", "llama-bench", "--moe-slots", args.slots, "--mem-floor", "0",
-               *flags]
+               *moe_layout(config), *flags]
     shell = f"echo $$ > {cgroup.procs} && exec " + " ".join(f"'{c}'" for c in cmd)
     proc = subprocess.run(["sh", "-c", shell], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -199,7 +208,7 @@ def main():
     parser.add_argument("--slots", default="25%", help="our --moe-slots (default 25%%)")
     parser.add_argument("--ctx", type=int, default=256, help="context per client (default 256)")
     parser.add_argument("-t", "--threads", type=int, default=2)
-    parser.add_argument("--configs", default="stock,empanel")
+    parser.add_argument("--configs", default="stock,empanel", help="comma list of stock, empanel, empanel-plain")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--readahead-kb", type=int, default=128,
                         help="the drive's read_ahead_kb while a configuration runs (default 128, the kernel's usual; "

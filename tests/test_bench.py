@@ -133,5 +133,7 @@ def test_config_options_reach_llama():
     assert cfg.plain and cfg.bounce and not cfg.sync
     (cfg,) = parse_config("empanel-25%/plain/sync@cap", top_k=8)
     assert cfg.plain and cfg.sync and not cfg.bounce
+    (cfg,) = parse_config("empanel-25%/plain/prefetch=1/EMPANEL_READ_AHEAD_KEEP=1@cap", top_k=8)
+    assert cfg.env == {"EMPANEL_READ_AHEAD_KEEP": "1"} and cfg.moe_opts == {"moe_prefetch": 1}
     with pytest.raises(SystemExit, match="neither a policy"):
         parse_config("empanel-25%/fifo", top_k=8)

@@ -397,6 +397,32 @@ def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
     assert stats["total"]["overlapped"] == 0
 
 
+@pytest.mark.parametrize("name", ["qwen3moe-q4_k", "qwen3moe-f32", "deepseek2", "gpt-oss"])
+def test_read_ahead_not_routed_is_dropped(fixture_dir, name, monkeypatch):
+    """A read-ahead still in flight when its layer's remap comes has the reads of the guessed
+    experts the micro-batch does not route to dropped; their slots are emptied, the others land.
+    With no reader thread (moe_io_threads=0) nothing is read before the remap, so every wrong
+    guess is dropped unread: nothing is wasted and fewer bytes are read than with the whole
+    read-ahead kept (EMPANEL_READ_AHEAD_KEEP=1). Logits stay those of stock, repacked and plain."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    for repack in (True, False):
+        ref_logits, ref_tokens, _, _ = (baseline(path, 9) if repack else
+                                        run_stock_defaults(path, 9, None, moe_repack=False))
+        runs = {}
+        for keep in ("0", "1"):
+            monkeypatch.setenv("EMPANEL_READ_AHEAD_KEEP", keep)
+            logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=1,
+                                                          moe_io_threads=0)
+            assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, keep)
+            runs[keep] = stats["total"]
+        dropped, kept = runs["0"], runs["1"]
+        assert dropped["prefetched"] > 0 and dropped["prefetch_dropped"] > 0, dropped
+        assert dropped["prefetch_wasted"] == 0, dropped
+        assert dropped["prefetch_used"] + dropped["prefetch_dropped"] <= dropped["prefetched"], dropped
+        assert kept["prefetch_dropped"] == 0 and kept["prefetch_wasted"] > 0, kept
+        assert dropped["bytes_read"] < kept["bytes_read"], (dropped["bytes_read"], kept["bytes_read"])
+
+
 def test_guess_off_makes_no_guesses(fixture_dir):
     path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
     logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_guess=False)

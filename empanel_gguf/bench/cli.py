@@ -124,9 +124,10 @@ def setup_arg_parser():
                    help="(default: 512; slot runs keep it: micro-batches larger than the pools run in waves)")
     g.add_argument("--configs", default=None,
                    help="comma list of stock, stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min|auto>"
-                        "[/<moe_policy>][/plain][/bounce][/sync][/<key>=<value>] (moe_<key>, e.g. prefetch=1; plain: no CPU "
-                        "repack buffers, so plain pools that reads land in; bounce: no read lands in place; sync: "
-                        "reads do not overlap the compute in decode); each "
+                        "[/<moe_policy>][/plain][/bounce][/sync][/<key>=<value>][/EMPANEL_<NAME>=<value>] (moe_<key>, "
+                        "e.g. prefetch=1; plain: no CPU repack buffers, so plain pools that reads land in; bounce: no "
+                        "read lands in place; sync: reads do not overlap the compute in decode; EMPANEL_<NAME>: an "
+                        "environment switch of the run, e.g. EMPANEL_READ_AHEAD_KEEP=1); each "
                         "runs uncapped and capped, or only as name@none / name@cap "
                         f"(default: {','.join(DEFAULT_CONFIGS)})".replace("%", "%%"))
     g.add_argument("--cap", type=float, default=0.4, help="memory cap as a share of the model file (default: 0.4)")

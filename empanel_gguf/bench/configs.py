@@ -27,6 +27,8 @@ class Config:
                           # copies that zero-copy reads save, measured side by side
     sync: bool = False  # empanel-<slots>/sync: every remap waits for its reads (EMPANEL_READ_SYNC=1), the
                         # overlap of reads and compute in decode measured side by side
+    env: dict | None = None  # empanel-<slots>/EMPANEL_<NAME>=<value>: the run's environment has it (a
+                             # switch such as EMPANEL_READ_AHEAD_KEEP=1, measured side by side)
 
     @property
     def key(self):
@@ -52,7 +54,7 @@ def parse_config(text: str, top_k: int) -> list[Config]:
         value, *parts = name[len(EMPANEL) + 1:].split("/")
         kind, ra = EMPANEL, None
         slots = top_k if value == "min" else int(value) if value.isdigit() else value
-        policy, opts, plain, bounce, sync = None, {}, False, False, False
+        policy, opts, plain, bounce, sync, env = None, {}, False, False, False, {}
         for part in parts:
             if part == "plain":  # pools in the plain layout: reads land in the slots, no repack
                 plain = True
@@ -60,6 +62,9 @@ def parse_config(text: str, top_k: int) -> list[Config]:
                 bounce = True
             elif part == "sync":  # reads never overlap the layer's compute (as before empanel_ready)
                 sync = True
+            elif part.startswith("EMPANEL_") and "=" in part:  # an environment switch of the sidecar
+                key, _, value = part.partition("=")
+                env[key] = value
             elif "=" in part:  # a Llama moe_* option of this run: prefetch=1, guess=off, profile=PATH
                 key, opt = parse_opt(part)
                 opts[key if key.startswith("moe_") else f"moe_{key}"] = opt
@@ -68,10 +73,11 @@ def parse_config(text: str, top_k: int) -> list[Config]:
             else:
                 raise SystemExit(f"bench: config '{text}': '{part}' is neither a policy "
                                  f"({', '.join(ENGINE_POLICIES)}), 'plain', 'bounce', 'sync' nor key=value")
-        return [Config(name, c, kind, slots, ra, policy, opts or None, plain, bounce, sync) for c in caps]
+        return [Config(name, c, kind, slots, ra, policy, opts or None, plain, bounce, sync, env or None) for c in caps]
     else:
         raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
-                         "empanel-<N|P%|size|min|auto>[/<policy>][/plain][/bounce][/sync][/<key>=<value>...], each optionally "
+                         "empanel-<N|P%|size|min|auto>[/<policy>][/plain][/bounce][/sync][/<key>=<value>...]"
+                         "[/EMPANEL_<NAME>=<value>...], each optionally "
                          "@none or @cap")
     return [Config(name, c, kind, slots, ra) for c in caps]
 

@@ -108,7 +108,7 @@ def details_table(bench: Bench, rows) -> str:
     headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
                "write ms", "wait ms", "compute ms", "reader CPU ms", "copied/tok", "disk GB/s busy", "disk busy %", "ceiling t/s",
                "reader % drive", "others' CPU %", "argmax = stock", "pp waves", "pp read", "pp hidden %",
-               "pp wait ms", "tg guess recall %", "tg read-ahead used %", "tg read-ahead waste/tok"]
+               "pp wait ms", "tg guess recall %", "tg read-ahead used %", "tg read-ahead dropped %", "tg read-ahead waste/tok"]
     out = []
     for row in rows:
         status = row["status"] if row["status"].startswith("ok") else (row.get("error") or row["status"])[:40]
@@ -123,7 +123,8 @@ def details_table(bench: Bench, rows) -> str:
                     fmt(row.get("pp_waves"), ".1f"), fmt_bytes(row.get("pp_read_bytes")),
                     fmt(row.get("pp_hidden_pct"), ".0f"), fmt(row.get("pp_wait_ms"), ".1f"),
                     fmt(100 * row["tg_guess_recall"] if row.get("tg_guess_recall") is not None else None, ".0f"),
-                    fmt(row.get("tg_prefetch_used_pct"), ".0f"), fmt_bytes(row.get("tg_prefetch_waste_per_tok"))])
+                    fmt(row.get("tg_prefetch_used_pct"), ".0f"), fmt(row.get("tg_prefetch_dropped_pct"), ".0f"),
+                    fmt_bytes(row.get("tg_prefetch_waste_per_tok"))])
     return markdown(headers, out)
 
 

@@ -99,6 +99,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
             env["EMPANEL_READ_BOUNCE"] = "1"
         if cfg.sync:
             env["EMPANEL_READ_SYNC"] = "1"
+        env.update(cfg.env or {})
         t0 = time.perf_counter()
         jiffies0, self0 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
         with open(log_path, "wb") as out:
@@ -225,6 +226,7 @@ def sample_metrics(s: dict) -> dict:
             if moe.get("prefetched"):
                 m[f"{ph}_prefetch_used_pct"] = 100 * moe.get("prefetch_used", 0) / moe["prefetched"]
                 m[f"{ph}_prefetch_waste_per_tok"] = moe.get("prefetch_wasted", 0) / n
+                m[f"{ph}_prefetch_dropped_pct"] = 100 * moe.get("prefetch_dropped", 0) / moe["prefetched"]
         else:
             m[f"{ph}_read_per_tok"] = m[f"{ph}_io_per_tok"]
             m[f"{ph}_compute_ms"] = 1000 * sec / n if n else None

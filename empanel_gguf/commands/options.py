@@ -144,7 +144,7 @@ def add_moe_args(parser, moe_slots_default="auto"):
             help="which expert a full pool evicts: lfu-decay (least used, decaying counts) and lru "
                  "per layer, g-lru with one budget for all layers")
     env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
-            help="expert reader threads")
+            help="expert reader threads besides the decoding thread (0: it reads alone)")
     env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,
             help="KiB per expert read request")
     env_arg(parser, "--moe-direct-io", env="LLAMA_ARG_MOE_DIRECT_IO", type=parse_bool, default=True,
@@ -159,7 +159,8 @@ def add_moe_args(parser, moe_slots_default="auto"):
             help="the gate-ahead guess: the next layer's router on this layer's input; its experts are "
                  "evicted last (no reads)")
     env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=int, default=0, metavar="N",
-            help="also read the guessed experts that are not resident, N layers ahead (0: off)")
+            help="also read the guessed experts that are not resident, N layers ahead; reads of guesses the "
+                 "layer does not route to are dropped when it comes (0: off)")
     env_arg(parser, "--moe-verify", env="LLAMA_ARG_MOE_VERIFY", type=parse_bool, default=False, metavar="on|off",
             help="check every expert read against its XXH3-64 digest (those empanel-gguf verify saved, else "
                  "its first read's); a mismatch fails the decode")

@@ -173,7 +173,8 @@ def format_report(name, index, plan, stats, timings, rss):
             lines.append(f"  preload   {t['preloaded']} experts read into the pools at load")
         if t.get("guess_routed"):
             ahead = (f"; read ahead {t['prefetched']} experts, {t['prefetch_used']} used, "
-                     f"{format_bytes(t['prefetch_wasted'])} wasted" if t.get("prefetched") else "")
+                     f"{t['prefetch_dropped']} dropped unread, {format_bytes(t['prefetch_wasted'])} wasted"
+                     if t.get("prefetched") else "")
             lines.append(f"  guess     recall {100 * t['guess_recall']:.1f}% of the routed experts{ahead}")
     lines.append(f"  peak RSS  {format_bytes(rss)}")
     return lines
