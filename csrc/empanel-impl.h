@@ -434,7 +434,7 @@ int      empanel_read_post_ahead(struct empanel_pool * pool, struct empanel_laye
 // the experts in the slots with slot_mark[s] == stamp: the other experts' chunks not yet taken are
 // skipped, and empanel_read_finish leaves their slots marked as holding nothing (reconcile empties
 // them). Bytes skipped count nowhere; bytes already read count as read and wasted; the experts
-// experts not landed whole count in stats.prefetch_dropped
+// not landed whole count in stats.prefetch_dropped
 void     empanel_read_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
                            uint64_t stamp);
 // wait until the layer's batch in flight (empanel_read_post_layer with an order) has landed
@@ -460,6 +460,19 @@ void     empanel_host_cache_landed(struct empanel_pool * pool, const struct empa
                                    int32_t expert, int ok);
 // the reads of the batch in flight into tier entries: held there if it succeeded (ok), else not
 void     empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok);
+// the index in layer->tensors of the tensor whose slot pool is pool_tensor, or -1
+static inline int32_t empanel_tensor_index(const struct empanel_layer * layer, const void * pool_tensor) {
+    for (int32_t i = 0; i < layer->n_tensors; i++) {
+        if (layer->tensors[i].pool == pool_tensor) {
+            return i;
+        }
+    }
+    return -1;
+}
+// every tensor of the layer called its ready op since the layer's last remap
+static inline int empanel_ready_all_seen(const struct empanel_layer * layer) {
+    return layer->ready_seen == (1u << layer->n_tensors) - 1;
+}
 static inline uint64_t empanel_align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 static inline uint64_t empanel_align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 // where expert e's bytes of tensor t start in its file

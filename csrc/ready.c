@@ -9,10 +9,7 @@ int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
     struct empanel_pool * pool = user;
     pthread_mutex_lock(&pool->lock);
     struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
-    int32_t ti = -1;
-    for (int32_t i = 0; layer != NULL && i < layer->n_tensors; i++) {
-        ti = layer->tensors[i].pool == pool_tensor ? i : ti;
-    }
+    const int32_t ti = layer != NULL ? empanel_tensor_index(layer, pool_tensor) : -1;
     int32_t rc = atomic_load(&pool->failed) ? -1 : 0; // (the graph is being stopped)
     if (ti >= 0 && rc == 0) {
         if ((layer->ready_seen & (1u << ti)) == 0) {
@@ -20,8 +17,8 @@ int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
             layer->ready_rank[ti]    = layer->ready_next++;
         }
         // the layer's last tensor: its batch is accounted for here, nothing stays in flight
-        const int last = layer->ready_seen == (1u << layer->n_tensors) - 1 && pool->inflight &&
-                         pool->inflight_ready && pool->inflight_layer == layer;
+        const int last = empanel_ready_all_seen(layer) && pool->inflight && pool->inflight_ready &&
+                         pool->inflight_layer == layer;
         if (empanel_read_wait_tensor(pool, layer, ti) != 0 || (last && empanel_read_finish(pool) != 0)) {
             empanel_read_finish(pool); // nothing stays in flight after a failure
             if (!atomic_load(&pool->failed)) {

@@ -432,7 +432,7 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
     }
     // every tensor's MUL_MAT_ID waited for its reads after the layer's last remap (the graph has
     // its ready ops): this micro-batch's reads may overlap the layer's compute
-    layer->ready_armed = layer->ready_seen == (1u << layer->n_tensors) - 1;
+    layer->ready_armed = empanel_ready_all_seen(layer);
     layer->ready_seen  = 0;
     layer->ready_next  = 0;
     const int32_t n = collect_distinct(pool, layer, il, call, expert_ids, ids_row_stride, n_used, n_tokens);
@@ -514,11 +514,8 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
     if (layer == NULL || empanel_read_finish(pool) != 0) {
         return -1;
     }
-    int32_t ti = 0;
-    while (ti < layer->n_tensors && layer->tensors[ti].pool != pool_tensor) {
-        ti++;
-    }
-    if (ti == layer->n_tensors || layer->observe) {
+    const int32_t ti = empanel_tensor_index(layer, pool_tensor);
+    if (ti < 0 || layer->observe) {
         empanel_set_error(pool, "remap: layer %d has no pool tensor %p", il, pool_tensor);
         return -1;
     }
