@@ -132,8 +132,26 @@ int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model *
                           size_t err_size) {
     const int32_t n_pools = llama_empanel_n_pools(model);
     if (n_pools != load->plan.n_tensors) {
-        empanel_format_err(err, err_size, "llama.cpp made %d slot pools for the %d routed-expert tensors of %s; this "
-                "architecture's loader is not supported yet", n_pools, load->plan.n_tensors, load->plan.model);
+        // name the planned tensors llama.cpp made no pool for (it skipped or never created them)
+        char   missing[512] = "";
+        size_t used = 0;
+        int32_t n_missing = 0;
+        for (int32_t i = 0; i < load->plan.n_tensors; i++) {
+            if (llama_empanel_pool(model, load->plan.tensor_names[i]) != NULL) {
+                continue;
+            }
+            if (n_missing++ < 4 && used + 2 < sizeof(missing)) {
+                int n = snprintf(missing + used, sizeof(missing) - used, "%s%s", used > 0 ? ", " : "",
+                                 load->plan.tensor_names[i]);
+                used = n > 0 ? used + (size_t) n : used;
+                used = used < sizeof(missing) ? used : sizeof(missing) - 1;
+            }
+        }
+        empanel_format_err(err, err_size, "llama.cpp made %d slot pools for the %d routed-expert tensors the plan pages "
+                "in %s; %d of them got no pool (llama.cpp skipped or did not create them: %s%s). An MTP block "
+                "is loaded only with MTP drafting (load_mtp); plan the load as it is made", n_pools,
+                load->plan.n_tensors, load->plan.model, n_missing, n_missing > 0 ? missing : "none; others were made",
+                n_missing > 4 ? ", ..." : "");
         return -1;
     }
     load->n_masked = 0;

@@ -5,6 +5,8 @@ training (scripts/train_moe.py) all call these on a gguf.GGUFWriter.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # the tokenizer's control tokens and chat template (ChatML), shared by every model we write, so
 # that `Llama.create_chat_completion` works with the metadata alone
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -46,3 +48,33 @@ def add_tokenizer(w, tokens, types, merges, pre="default"):
     w.add_eos_token_id(tokens.index(EOS_TOKEN))
     w.add_add_bos_token(True)
     w.add_chat_template(CHAT_TEMPLATE)
+
+
+def copy_without_tensors(src, dst, drop) -> list:
+    """Copy the GGUF file `src` to `dst` without the tensors whose name `drop(name)` is true:
+    the metadata as it is, the other tensors' infos and data at new offsets (each padded to the
+    file's alignment). Returns the names dropped. For test files, e.g. an MTP block without the
+    tensors a stock load would not count."""
+    import struct
+
+    from .index import _read_header
+
+    header = _read_header(Path(src))
+    kept = [t for t in header.tensors if not drop(t.name)]
+    align = header.alignment
+    pad = lambda n: -(-n // align) * align  # noqa: E731
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        f.seek(0)
+        head = f.read(header.info_offset)
+        out.write(head[:8] + struct.pack("<Q", len(kept)) + head[16:])  # magic, version | count | n_kv, metadata
+        offset = 0
+        for t in kept:
+            name = t.name.encode()
+            out.write(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.shape)))
+            out.write(b"".join(struct.pack("<q", ne) for ne in t.shape) + struct.pack("<IQ", t.type_id, offset))
+            offset += pad(t.nbytes)
+        out.write(b"\0" * (pad(out.tell()) - out.tell()))
+        for t in kept:
+            f.seek(header.data_offset + t.rel_offset)
+            out.write(f.read(t.nbytes) + b"\0" * (pad(t.nbytes) - t.nbytes))
+    return [t.name for t in header.tensors if drop(t.name)]

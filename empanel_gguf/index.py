@@ -35,6 +35,17 @@ _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
 # blk.N.ffn_{gate,up,down}.E.weight: the pre-2024 one-tensor-per-expert layout.
 _OLD_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
+# architectures whose llama.cpp loader creates the MTP ("nextn") blocks when the load asks for
+# them (llama_model_params.load_mtp, set by --spec-type draft-mtp): the MoE ones of the pinned
+# tree's src/models/*.cpp that test ml.load_mtp. Without load_mtp every architecture skips them
+# ("model has unused tensor blk.N...") and so does dots3note always (no MTP graph yet).
+MTP_ARCHS = frozenset({"bailingmoe3", "cohere2moe", "deepseek2", "deepseek32", "deepseek4", "glm-dsa", "glm4moe",
+                       "glm5-next", "hy_v3", "mimo2", "nemotron_h_moe", "qwen35moe", "qwen3next", "step35"})
+
+# architectures whose loader counts the MTP blocks only when the first one's eh_proj is in the
+# file (deepseek4.cpp: else nextn_predict_layers is taken as 0 and every block is trunk)
+_MTP_PROBED_ARCHS = frozenset({"deepseek4"})
+
 _GGML_MAX_DIMS = 4
 MAX_LAYERS = 1 << 16  # the most layers a plan may name (csrc/plan_file.c's shape record)
 _KNOWN_TYPES = {int(t) for t in GGML_QUANT_SIZES}
@@ -91,6 +102,7 @@ class _Header:
     tensors: list[_TensorInfo]
     alignment: int
     data_offset: int  # absolute file offset of the data section
+    info_offset: int = 0  # file offset of the first tensor info (the metadata ends there)
 
 
 class _Reader:
@@ -169,6 +181,7 @@ def _read_header(path: Path) -> _Header:
         for _ in range(n_kv):
             key = r.string("metadata key")
             metadata[key] = r.value(r.u32(f"type of '{key}'"), key)
+        info_offset = r.pos
 
         tensors: list[_TensorInfo] = []
         for _ in range(n_tensors):
@@ -210,7 +223,7 @@ def _read_header(path: Path) -> _Header:
             raise ModelError(path, f"data ends at byte {data_offset + t.rel_offset + t.nbytes} but the file has "
                              f"only {file_size} bytes: the file is truncated; download or copy it again", t.name)
         expected += -(-t.nbytes // alignment) * alignment
-    return _Header(path, file_size, metadata, tensors, alignment, data_offset)
+    return _Header(path, file_size, metadata, tensors, alignment, data_offset, info_offset)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,6 +308,16 @@ class ModelIndex:
     # the first shard's metadata as the header reader keeps it (arrays as their length), so that
     # the estimate (estimate.model_shape) does not read the header a second time
     metadata: dict = field(default_factory=dict, repr=False, compare=False)
+    # MTP ("nextn") blocks: the last n_layer_nextn of the n_layer blocks (<arch>.nextn_predict_layers)
+    n_layer_nextn: int = 0
+    mtp_loaded: bool = False  # llama.cpp creates their tensors (load_mtp, an MTP_ARCHS loader)
+    mtp_skipped: list = field(default_factory=list)  # MoeLayers of MTP blocks llama.cpp skips: no pool
+    mtp_skipped_bytes: int = 0  # bytes of every tensor of the skipped MTP blocks (never loaded)
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        """Layer ids of the MTP blocks (loaded or not)."""
+        return list(range(self.n_layer - self.n_layer_nextn, self.n_layer))
 
     @property
     def moe_layers(self) -> list[int]:
@@ -332,6 +355,9 @@ class ModelIndex:
             "other_bytes_total": self.other_bytes_total,
             "cold_bytes_per_token": self.cold_bytes_per_token,
             "layers": [layer.to_dict() for layer in self.layers],
+            "mtp": {"layers": self.mtp_layers, "loaded": self.mtp_loaded,
+                    "skipped_moe_layers": [layer.layer for layer in self.mtp_skipped],
+                    "skipped_bytes": self.mtp_skipped_bytes},
         }
 
 
@@ -368,8 +394,16 @@ def adapter_expert_tensors(path: os.PathLike | str) -> list[str]:
     return sorted(names)
 
 
-def load_index(path: os.PathLike | str) -> ModelIndex:
-    """Index the routed experts of a GGUF model; `path` may be any shard of a split model."""
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
+    """Index the routed experts of a GGUF model; `path` may be any shard of a split model.
+
+    mtp: whether the load asks llama.cpp for the MTP blocks (load_mtp). The routed experts of MTP
+    blocks that llama.cpp will not create (mtp False, or an architecture whose loader never does)
+    are left out of `layers` and of every total, as the load leaves them in the file: no pool, no
+    bytes; `mtp_skipped` lists them."""
     path = Path(path)
     header = _read_header(path)
     paths = _shard_paths(path, header)
@@ -394,11 +428,20 @@ def load_index(path: os.PathLike | str) -> ModelIndex:
                          "plausible); the file is corrupt")
     n_expert = _get_int(first, Keys.LLM.EXPERT_COUNT.format(arch=arch), 0)
     n_expert_used = _get_int(first, Keys.LLM.EXPERT_USED_COUNT.format(arch=arch), 0)
+    n_layer_nextn = _get_int(first, f"{arch}.nextn_predict_layers", 0)
+    if not 0 <= n_layer_nextn <= n_layer:
+        raise ModelError(first.path, f"{arch}.nextn_predict_layers is {n_layer_nextn} with {n_layer} blocks; "
+                         "the file is corrupt")
+    if n_layer_nextn and arch in _MTP_PROBED_ARCHS and not any(
+            t.name == f"blk.{n_layer - n_layer_nextn}.nextn.eh_proj.weight" for h in headers for t in h.tensors):
+        n_layer_nextn = 0
+    mtp_loaded = n_layer_nextn > 0 and mtp and arch in MTP_ARCHS
+    first_mtp = n_layer if mtp_loaded else n_layer - n_layer_nextn  # blocks from here on are skipped
 
     shards: list[Shard] = []
     by_layer: dict[int, dict[str, ExpertTensor]] = {}
     seen: set[str] = set()
-    expert_bytes = other_bytes = 0
+    expert_bytes = other_bytes = skipped_bytes = 0
     for i, h in enumerate(headers):
         shards.append(Shard(i, h.path, h.file_size, h.data_offset, len(h.tensors)))
         for t in h.tensors:
@@ -408,9 +451,14 @@ def load_index(path: os.PathLike | str) -> ModelIndex:
             if _OLD_EXPERT_RE.match(t.name):
                 raise ModelError(h.path, "uses the old one-tensor-per-expert layout, which llama.cpp no longer "
                                  "loads; re-convert the model with a current convert_hf_to_gguf.py", t.name)
+            block = _BLOCK_RE.match(t.name)
+            skipped = block is not None and int(block.group(1)) >= first_mtp
             m = _EXPS_RE.match(t.name)
             if not m:
-                other_bytes += t.nbytes
+                if skipped:
+                    skipped_bytes += t.nbytes
+                else:
+                    other_bytes += t.nbytes
                 continue
             layer, kind = int(m.group(1)), m.group(2)
             shape = t.shape + (1,) * (_GGML_MAX_DIMS - len(t.shape))  # pad to 4 dims, as ggml does
@@ -422,7 +470,10 @@ def load_index(path: os.PathLike | str) -> ModelIndex:
                                  "the model is inconsistent, re-convert it", t.name)
             if not 0 <= layer < n_layer:
                 raise ModelError(h.path, f"is on layer {layer} but {arch}.block_count is {n_layer}", t.name)
-            expert_bytes += t.nbytes
+            if skipped:
+                skipped_bytes += t.nbytes
+            else:
+                expert_bytes += t.nbytes
             by_layer.setdefault(layer, {})[kind] = ExpertTensor(
                 name=t.name, layer=layer, kind=kind, type_name=type_name(t.type_id),
                 shape=(shape[0], shape[1], shape[2]), shard=i, path=h.path,
@@ -434,12 +485,15 @@ def load_index(path: os.PathLike | str) -> ModelIndex:
         raise ModelError(first.path, f"split.tensors.count is {split_tensors} but the {len(headers)} shards hold "
                          f"{len(seen)} tensors; some shard is from another model")
 
-    layers = [_check_layer(first.path, il, by_layer[il]) for il in sorted(by_layer)]
-    if layers and not 0 < n_expert_used <= n_expert:
+    checked = [_check_layer(first.path, il, by_layer[il]) for il in sorted(by_layer)]
+    if checked and not 0 < n_expert_used <= n_expert:
         raise ModelError(first.path, f"{arch}.expert_used_count is {n_expert_used} with {n_expert} experts; "
                          "the model is inconsistent, re-convert it")
-    return ModelIndex(first.path, shards, arch, n_layer, n_expert, n_expert_used, layers,
-                      expert_bytes, other_bytes, first.metadata)
+    return ModelIndex(first.path, shards, arch, n_layer, n_expert, n_expert_used,
+                      [layer for layer in checked if layer.layer < first_mtp], expert_bytes, other_bytes,
+                      first.metadata, n_layer_nextn=n_layer_nextn, mtp_loaded=mtp_loaded,
+                      mtp_skipped=[layer for layer in checked if layer.layer >= first_mtp],
+                      mtp_skipped_bytes=skipped_bytes)
 
 
 def _check_layer(path: Path, il: int, tensors: dict[str, ExpertTensor]) -> MoeLayer:

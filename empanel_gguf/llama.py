@@ -87,6 +87,10 @@ class Llama(llama_cpp.Llama):
             (default): no tier. Refused where the pools are in host memory already, and on a
             unified-memory device (an integrated GPU, Metal), where it would hold every cached expert
             twice, unless moe_host_cache_unified=True. moe_stats() counts host_hits and host_bytes.
+        moe_mtp: load the file's MTP ("nextn") blocks as llama.cpp does for MTP drafting
+            (llama_model_params.load_mtp; --spec-type draft-mtp in its programs), with or without
+            slots. Their MoE layers then get pools like the others. Default False: llama.cpp
+            skips the blocks, and so do the pools (no pool, no memory, no reads).
         moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
             does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
             size for moe_slots covers the resident layers' experts too.
@@ -106,7 +110,7 @@ class Llama(llama_cpp.Llama):
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
                  moe_verify=False, moe_repack=True, moe_host_cache=None, moe_host_cache_unified=False,
-                 rpc_servers=None, moe_load=None, **kwargs):
+                 moe_mtp=False, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
         unknown = [key for key in kwargs if key.startswith("moe_")]
         if unknown:  # llama_cpp.Llama would swallow a misspelt option and load stock
@@ -119,7 +123,7 @@ class Llama(llama_cpp.Llama):
                                   moe_resident_layers=moe_resident_layers, moe_profile=moe_profile,
                                   moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
                                   moe_verify=moe_verify, moe_repack=moe_repack, moe_host_cache=moe_host_cache,
-                                  moe_host_cache_unified=moe_host_cache_unified)
+                                  moe_host_cache_unified=moe_host_cache_unified, moe_mtp=moe_mtp)
             moe_load = _plan(model_path, moe_slots, options, kwargs)
             print_notices(moe_load.warnings)  # whatever verbose is: a damaged cache file is never silent
             print_notices(moe_load.notes, verbose)
@@ -127,6 +131,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")
         self.moe_load = moe_load
         self.moe_repack = moe_load.options.repack if moe_load is not None else bool(moe_repack)
+        self.moe_mtp = moe_load.options.mtp if moe_load is not None else bool(moe_mtp)
         self.moe_slots = moe_load.moe_slots if moe_load is not None else None  # "auto" resolved
         self.moe_policy = moe_load.options.policy if moe_load is not None else moe_policy
         self.moe_prefetch = moe_load.options.prefetch if self.moe_slots is not None else 0
@@ -160,7 +165,7 @@ class Llama(llama_cpp.Llama):
         ValueError): llama-cpp-python decodes every metadata value as UTF-8 and compiles every
         chat template it finds."""
         try:
-            with contextlib.nullcontext() if self.moe_repack else no_repack():
+            with model_params(use_extra_bufts=None if self.moe_repack else False, load_mtp=self.moe_mtp or None):
                 super().__init__(model_path, *args, **kwargs)
         except UnicodeDecodeError as e:
             raise ModelError(model_path, f"a metadata value is not valid UTF-8 ({e.reason} at byte {e.start}); "
@@ -258,20 +263,24 @@ class Llama(llama_cpp.Llama):
 
 
 @contextlib.contextmanager
-def no_repack():
-    """Within the block, models load with llama_model_params.use_extra_bufts = False (llama.cpp's
-    --no-repack): no CPU repack buffers, so weights stay in their file layout and pools are plain
-    memory. llama_cpp.Llama has no argument for it and builds the params inside __init__, so the
-    one function that receives them, llama_model_load_from_file (as _internals.LlamaModel calls
-    it), is wrapped."""
+def model_params(**fields):
+    """Within the block, models load with these llama_model_params fields set (None: left as
+    llama-cpp-python sets them): use_extra_bufts=False is llama.cpp's --no-repack (no CPU repack
+    buffers, weights and pools in their file layout), load_mtp=True loads the MTP blocks.
+    llama_cpp.Llama has no argument for either and builds the params inside __init__, so the one
+    function that receives them, llama_model_load_from_file (as _internals.LlamaModel calls it),
+    is wrapped."""
     module = llama_cpp.llama_cpp
     original = module.llama_model_load_from_file
+    given = {name: value for name, value in fields.items() if value is not None}
 
     def load(path_model, params):
-        params.use_extra_bufts = False
+        for name, value in given.items():
+            setattr(params, name, value)
         return original(path_model, params)
 
-    module.llama_model_load_from_file = load
+    if given:
+        module.llama_model_load_from_file = load
     try:
         yield
     finally:
@@ -291,7 +300,7 @@ def _plan(model_path, moe_slots, options, kwargs):
     guard; "auto" the most slots that fit (warning, never refusing, when even those do not)."""
     from .estimate import DEFAULT_N_CTX
 
-    index = load_index(model_path)
+    index = load_index(model_path, mtp=options.mtp)
     llama_kwargs = dict(kwargs)
     llama_kwargs["n_ctx"] = kwargs.get("n_ctx", 512) or DEFAULT_N_CTX
     lora = [kwargs["lora_path"]] if kwargs.get("lora_path") else []

@@ -54,6 +54,7 @@ class MoeOptions:
     repack: bool = True            # False: no CPU repack buffers (llama.cpp's --no-repack): plain pools
     host_cache: object = None      # the host-RAM tier of device pools: bytes or a size ("8GiB"); None: none
     host_cache_unified: bool = False  # keep the tier on a unified-memory device anyway
+    mtp: bool = False              # load the file's MTP blocks (llama.cpp's load_mtp): their experts paged too
 
 
 MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))
@@ -261,6 +262,8 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         moe_slots = None
 
     plan = plan_slots(index, moe_slots, options.policy, resident_layers) if moe_slots is not None else None
+    if plan is not None and index.n_layer_nextn:
+        notes.append(_mtp_line(index))
     est = estimate(index, plan, **kwargs)
     if plan is not None:
         notes += plan.notices
@@ -300,6 +303,16 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         # counts up to the pool's size: under lfu-decay they halve away with the same clock
         load.orders = preload_orders(profile, load.pools.n_slots, index.moe_layers, seed_uses=plan.min_slots)
     return load
+
+
+def _mtp_line(index):
+    """What the load does with the file's MTP ("nextn") blocks."""
+    blocks = ", ".join(str(il) for il in index.mtp_layers)
+    if index.mtp_loaded:
+        return (f"MTP block {blocks}: loaded (MTP drafting); its MoE layers are paged like the others")
+    skipped = f", {format_bytes(index.mtp_skipped_bytes)} left in the file" if index.mtp_skipped_bytes else ""
+    return (f"MTP block {blocks}: not loaded, as llama.cpp skips it without MTP drafting (--spec-type draft-mtp): "
+            f"no pool{skipped}")
 
 
 def _slots_line(index, plan):

@@ -15,7 +15,8 @@ wave at the smallest pool, then decodes greedily; then the same with slot pools 
 (identical logits, no remap ran), or a model stock itself cannot evaluate here, with slot pools
 failing the same way. tests/test_archs.py runs this once
 per architecture, each in its own process, so that a crash names its architecture.
---variant prefetch: moe_prefetch=1; mask: masked waves (EMPANEL_WAVE_MASK=1, set by the caller).
+--variant prefetch: moe_prefetch=1; mask: masked waves (EMPANEL_WAVE_MASK=1, set by the caller);
+mtp: the file's MTP blocks loaded (moe_mtp=True, as llama.cpp's --spec-type draft-mtp), stock too.
 """
 
 import argparse
@@ -57,6 +58,8 @@ def run(path, moe_slots, variant):
     moe = {"moe_slots": moe_slots, "moe_profile": None} if moe_slots is not None else {}
     if moe_slots is not None and variant == "prefetch":
         moe["moe_prefetch"] = 1
+    if variant == "mtp":
+        moe["moe_mtp"] = True
     llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, n_threads=2, verbose=False, **moe)
     try:
         prompt = prompt_ids(llm.n_vocab())
@@ -73,11 +76,11 @@ def check(path, variant="plain"):
     path = Path(path)
     out = {"file": path.name, "variant": variant, "runs": []}
     try:
-        index = load_index(path)
+        index = load_index(path, mtp=variant == "mtp")
     except Exception as e:  # noqa: BLE001 - reported, the caller decides
         return dict(out, arch=path.stem, status="fail", reason=f"index: {type(e).__name__}: {e}")
     out.update(arch=index.architecture, n_expert=index.n_expert, n_expert_used=index.n_expert_used,
-               moe_layers=len(index.layers))
+               moe_layers=len(index.layers), mtp_layers=index.mtp_layers, mtp_loaded=index.mtp_loaded)
     if not index.is_moe:
         return dict(out, status="excluded", reason="no routed expert in the file")
     k, half = index.n_expert_used, max(index.n_expert_used, index.n_expert // 2)
@@ -143,7 +146,7 @@ def doc_table(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a model file, or with --doc the sweep's JSON report")
-    parser.add_argument("--variant", choices=("plain", "prefetch", "mask"), default="plain")
+    parser.add_argument("--variant", choices=("plain", "prefetch", "mask", "mtp"), default="plain")
     parser.add_argument("--json", help="write the result here (default: stdout)")
     parser.add_argument("--doc", action="store_true", help="print docs/architectures.md's tables from a report")
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ def _tensor_bytes(rng: np.random.Generator, qtype: Q, shape: tuple[int, ...]) ->
 
 def write_gguf(path: Path, arch: str, n_layer: int, tensors: list[tuple[str, Q, tuple[int, ...]]], *,
                n_expert: int | None = None, top_k: int | None = None, alignment: int | None = None,
-               split_max_tensors: int = 0, seed: int = 0) -> Path:
+               split_max_tensors: int = 0, seed: int = 0, uint32_kv: dict | None = None) -> Path:
     """Write a GGUF with the given (name, type, ggml shape) tensors of random bytes; returns the
     first file's path."""
     rng = np.random.default_rng(seed)
@@ -51,6 +51,8 @@ def write_gguf(path: Path, arch: str, n_layer: int, tensors: list[tuple[str, Q, 
         w.add_expert_used_count(top_k)
     if alignment is not None:
         w.add_custom_alignment(alignment)
+    for key, value in (uint32_kv or {}).items():
+        w.add_uint32(key, value)
     # a string array, as in every real model's tokenizer, to exercise skipping arrays
     w.add_token_list(["<s>", "</s>", "hello", "wörld"])
     w.add_token_scores([0.0, 0.0, -1.5, -2.5])
@@ -434,3 +436,45 @@ def test_no_tensors(tmp_path, ggml):
         assert index.shards[0].data_offset == ggml.gguf_get_data_offset(ctx)
     finally:
         ggml.gguf_free(ctx)
+
+
+def test_mtp_block_is_left_out_unless_loaded(tmp_path):
+    """Issue 36: the last nextn_predict_layers blocks are MTP blocks, which llama.cpp creates
+    only with load_mtp on an architecture whose loader has them: otherwise no layer, no pool,
+    no bytes in any total (inspect, estimate, cold bytes per token)."""
+    tensors = moe_tensors(3, 64, 32, 4, {})
+    tensors += [("blk.2.nextn.eh_proj.weight", Q.F16, (128, 64)), ("blk.2.nextn.enorm.weight", Q.F32, (64,))]
+    path = write_gguf(tmp_path / "mtp.gguf", "glm4moe", 3, tensors, n_expert=4, top_k=2,
+                      uint32_kv={"glm4moe.nextn_predict_layers": 1})
+    full = load_index(write_gguf(tmp_path / "full.gguf", "glm4moe", 3, tensors, n_expert=4, top_k=2))
+    index = load_index(path)
+    assert index.moe_layers == [0, 1] and index.mtp_layers == [2] and not index.mtp_loaded
+    assert [layer.layer for layer in index.mtp_skipped] == [2]
+    mtp_experts = full.layer(2).expert_bytes * 4
+    assert index.expert_bytes_total == full.expert_bytes_total - mtp_experts
+    assert index.expert_bytes_total + index.other_bytes_total + index.mtp_skipped_bytes == \
+        full.expert_bytes_total + full.other_bytes_total
+    assert index.cold_bytes_per_token == full.cold_bytes_per_token * 2 // 3
+    assert index.to_dict()["mtp"] == {"layers": [2], "loaded": False, "skipped_moe_layers": [2],
+                                      "skipped_bytes": index.mtp_skipped_bytes}
+
+    loaded = load_index(path, mtp=True)  # as --spec-type draft-mtp loads it: paged like the others
+    assert loaded.moe_layers == [0, 1, 2] and loaded.mtp_loaded and loaded.mtp_skipped == []
+    assert loaded.expert_bytes_total == full.expert_bytes_total
+
+    # an architecture whose loader never creates the block skips it even with load_mtp
+    other = write_gguf(tmp_path / "q.gguf", "qwen3moe", 3, tensors, n_expert=4, top_k=2,
+                       uint32_kv={"qwen3moe.nextn_predict_layers": 1})
+    assert load_index(other, mtp=True).moe_layers == [0, 1]
+
+    # deepseek4's loader takes the block for trunk unless its nextn.eh_proj is in the file
+    trunk = [t for t in tensors if not t[0].startswith("blk.2.nextn.")]
+    for name, body, moe_layers in (("ds4-trunk", trunk, [0, 1, 2]), ("ds4-mtp", tensors, [0, 1])):
+        ds4 = write_gguf(tmp_path / f"{name}.gguf", "deepseek4", 3, body, n_expert=4, top_k=2,
+                         uint32_kv={"deepseek4.nextn_predict_layers": 1})
+        assert load_index(ds4).moe_layers == moe_layers, name
+
+    bad = write_gguf(tmp_path / "bad.gguf", "glm4moe", 3, tensors, n_expert=4, top_k=2,
+                     uint32_kv={"glm4moe.nextn_predict_layers": 4})
+    with pytest.raises(ModelError, match="nextn_predict_layers is 4 with 3 blocks"):
+        load_index(bad)

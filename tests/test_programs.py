@@ -79,6 +79,10 @@ def test_split_args_takes_only_exact_options():
     assert flags["batch"] == "64" and flags["lora"] == ["x.gguf"]
     flags = programs.program_flags(["-m", "a.gguf,b.gguf", "-p", "512,1024", "-n", "128"], lists=True)
     assert flags["model"] == ["a.gguf", "b.gguf"] and flags["n_prompt"] == "512"  # llama-bench's lists
+    # MTP drafting loads the MTP blocks: the plan pages them (issue 36)
+    assert programs.program_flags(["-m", "a.gguf", "--spec-type", "ngram-cache,draft-mtp"])["spec_type"] == \
+        "ngram-cache,draft-mtp"
+    assert programs.program_flags(["--spec-type=draft-mtp"])["spec_type"] == "draft-mtp"
 
 
 def test_program_without_a_model_runs_as_it_is():

@@ -128,9 +128,9 @@ def child_main(spec_path: str) -> int:
     phase("load")
     t0 = time.perf_counter()
     if spec["kind"] == MMAP or spec.get("plain"):  # plain: pools of the plain layout (no CPU_REPACK)
-        from empanel_gguf.llama import no_repack
+        from empanel_gguf.llama import model_params
 
-        with no_repack():
+        with model_params(use_extra_bufts=False):
             llm = Llama(spec["model"], **kwargs)
     else:
         llm = Llama(spec["model"], **kwargs)

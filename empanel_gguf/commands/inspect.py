@@ -35,6 +35,10 @@ def format_summary(index: ModelIndex) -> str:
         f"cold per token  {format_bytes(index.cold_bytes_per_token)} ({index.cold_bytes_per_token} bytes, "
         f"top-k experts of every MoE layer, no cache hits)",
     ]
+    if index.n_layer_nextn:
+        blocks = ", ".join(str(il) for il in index.mtp_layers)
+        lines.append(f"MTP blocks      {blocks} ({len(index.mtp_skipped)} MoE): not counted above; llama.cpp "
+                     f"loads them only for MTP drafting ({format_bytes(index.mtp_skipped_bytes)})")
     if not index.layers:
         lines.append("no routed expert tensors (blk.N.ffn_*_exps.weight): not a MoE model")
         return "\n".join(lines) + "\n"

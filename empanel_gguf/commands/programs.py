@@ -91,7 +91,7 @@ _MODEL_FLAGS = ("-m", "--model")
 _VALUE_FLAGS = {"-c": "ctx", "--ctx-size": "ctx", "-b": "batch", "--batch-size": "batch", "-ub": "ubatch",
                 "--ubatch-size": "ubatch", "-ngl": "ngl", "--gpu-layers": "ngl", "--n-gpu-layers": "ngl",
                 "-p": "n_prompt", "--n-prompt": "n_prompt", "-n": "n_gen", "--n-gen": "n_gen",
-                "--rpc": "rpc"}
+                "--rpc": "rpc", "--spec-type": "spec_type"}
 _LORA_FLAGS = ("--lora", "--lora-scaled")
 
 
@@ -124,7 +124,8 @@ def program_flags(flags, lists=False):
     if not found["model"] and os.environ.get("LLAMA_ARG_MODEL"):
         found["model"] = [os.environ["LLAMA_ARG_MODEL"]]
     for key, env in (("ctx", "LLAMA_ARG_CTX_SIZE"), ("batch", "LLAMA_ARG_BATCH"), ("ubatch", "LLAMA_ARG_UBATCH"),
-                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS"), ("rpc", "LLAMA_ARG_RPC")):
+                     ("ngl", "LLAMA_ARG_N_GPU_LAYERS"), ("rpc", "LLAMA_ARG_RPC"),
+                     ("spec_type", "LLAMA_ARG_SPEC_TYPE")):
         if key not in found and os.environ.get(env):
             found[key] = os.environ[env]
     return found
@@ -169,7 +170,9 @@ def plan_for_program(name, args, flags):
         return None
     if len(models) > 1:
         note(f"{len(models)} models given: slot pools for {models[0]}, the others load as usual")
-    index = load_index(models[0])
+    # --spec-type draft-mtp loads the model's MTP blocks (common.cpp: load_mtp): page them too
+    loads_mtp = "draft-mtp" in (values.get("spec_type") or "").split(",")
+    index = load_index(models[0], mtp=loads_mtp)
     moe_slots = parse_moe_slots(args.moe_slots if args.moe_slots is not None else "auto")
     shape = model_shape(index)
     kwargs = {"n_ctx": planned_n_ctx(name, values, shape), "n_batch": _int_or(values.get("batch"), 2048),
