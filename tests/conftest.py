@@ -1,5 +1,12 @@
 """Every test runs with a profile cache of its own session: a profile the user saved with
-`empanel-gguf calibrate` (moe_profile="auto" finds it) must not change what the tests measure."""
+`empanel-gguf calibrate` (moe_profile="auto" finds it) must not change what the tests measure.
+
+Optional parts of a build, each asked for by one helper here, skip the tests that need them when
+they are missing; one variable per part makes that a failure (CI sets them):
+    require_programs(*names)   llama.cpp's programs (EMPANEL_PROGRAMS=ON)    EMPANEL_REQUIRE_PROGRAMS=1
+    require_archs_writer()     the test-llama-archs model writer (the same)  EMPANEL_REQUIRE_ARCHS=1
+    require_vulkan()           a Vulkan build's lib folder (.ci/run's)       none: CI may lack the packages
+"""
 
 import os
 import tempfile
@@ -9,6 +16,49 @@ _REPO = Path(__file__).resolve().parent.parent
 
 _PROFILES = tempfile.mkdtemp(prefix="empanel-test-profiles-")
 os.environ["EMPANEL_PROFILE_DIR"] = _PROFILES  # read by empanel_gguf.cache.cache_dir, children too
+
+
+def _missing_part(message, require_env=None):
+    """Skip the test, or fail it when `require_env` is set to 1."""
+    import pytest
+
+    if require_env is not None and os.environ.get(require_env) == "1":
+        pytest.fail(f"{require_env}=1 but {message}", pytrace=False)
+    pytest.skip(message)
+
+
+_BUILD_PROGRAMS = 'build with CMAKE_ARGS="-DLLAMA_BUILD=OFF -DEMPANEL_PROGRAMS=ON" pip install .'
+
+
+def require_programs(*names):
+    """llama.cpp's programs `names` (default: all of them) are built in this install, or the test
+    is skipped (failed with EMPANEL_REQUIRE_PROGRAMS=1)."""
+    from empanel_gguf.commands.programs import PROGRAMS, programs_dir
+
+    missing = [name for name in names or PROGRAMS if not (programs_dir() / name).is_file()]
+    if missing:
+        _missing_part(f"llama.cpp's {', '.join(missing)} are not built in {programs_dir()} ({_BUILD_PROGRAMS})",
+                      "EMPANEL_REQUIRE_PROGRAMS")
+
+
+def require_archs_writer():
+    """llama.cpp's test-llama-archs model writer of this checkout's build (EMPANEL_ARCHS_BIN, else
+    build/*/bin/), or the test is skipped (failed with EMPANEL_REQUIRE_ARCHS=1)."""
+    given = os.environ.get("EMPANEL_ARCHS_BIN")
+    found = [Path(given)] if given else sorted((_REPO / "build").glob("*/bin/test-llama-archs"))
+    if not found or not found[0].is_file():
+        _missing_part(f"llama.cpp's test-llama-archs is not built (it is built with the programs: {_BUILD_PROGRAMS})",
+                      "EMPANEL_REQUIRE_ARCHS")
+    return found[0]
+
+
+def require_vulkan():
+    """The lib folder of a Vulkan build (EMPANEL_VULKAN_LIB_DIR, .ci/run makes one when the Vulkan
+    packages install), or the test is skipped: CI tolerates a machine without them."""
+    lib_dir = os.environ.get("EMPANEL_VULKAN_LIB_DIR", "")
+    if not (lib_dir and (Path(lib_dir) / "libggml-vulkan.so").exists()):
+        _missing_part("no Vulkan build: set EMPANEL_VULKAN_LIB_DIR to a Vulkan build's lib folder (see .ci/run)")
+    return lib_dir
 
 
 def child_env(drop=(), **extra):

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import require_archs_writer
 
 REPO = Path(__file__).resolve().parent.parent
 N_EXPERT = 8
@@ -51,24 +52,9 @@ MTP_NOT_WRITTEN = {
 MTP_LOADED_ARCHS = ("glm4moe", "deepseek2", "qwen3next")
 
 
-def writer():
-    """The test-llama-archs binary of this checkout's build, or None."""
-    given = os.environ.get("EMPANEL_ARCHS_BIN")
-    if given:
-        return Path(given)
-    found = sorted((REPO / "build").glob("*/bin/test-llama-archs"))
-    return found[0] if found else None
-
-
 @pytest.fixture(scope="module")
 def arch_models(tmp_path_factory):
-    binary = writer()
-    if binary is None or not binary.exists():
-        message = ("llama.cpp's test-llama-archs is not built (it is built with the programs: "
-                   "CMAKE_ARGS=\"-DLLAMA_BUILD=OFF -DEMPANEL_PROGRAMS=ON\" pip install .)")
-        if os.environ.get("EMPANEL_REQUIRE_PROGRAMS"):
-            pytest.fail(message)
-        pytest.skip(message)
+    binary = require_archs_writer()
     out = tmp_path_factory.mktemp("arch-models")
     env = dict(os.environ, EMPANEL_ARCHS_N_EXPERT=str(N_EXPERT))
     proc = subprocess.run([str(binary), "-o", str(out), "-s", str(SEED)], env=env, capture_output=True, text=True,
@@ -89,9 +75,7 @@ def mtp_models(tmp_path_factory):
     from empanel_gguf.gguf_writer import copy_without_tensors
     from empanel_gguf.index import MTP_ARCHS, load_index
 
-    binary = writer()
-    if binary is None or not binary.exists():
-        pytest.skip("llama.cpp's test-llama-archs is not built (EMPANEL_PROGRAMS=ON)")
+    binary = require_archs_writer()
     out = tmp_path_factory.mktemp("mtp-models")
     (out / "raw").mkdir()
     archs = sorted(MTP_ARCHS - set(MTP_NOT_WRITTEN))

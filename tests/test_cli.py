@@ -17,6 +17,7 @@ import pytest
 from conftest import child_env
 
 from empanel_gguf import Llama, fixtures, estimate, guard, host_memory, plan
+from empanel_gguf.commands import programs as programs_cmd
 from empanel_gguf.index import load_index
 from empanel_gguf.sizing import plan_slots
 
@@ -350,3 +351,34 @@ def test_serve_without_the_server_extra_says_what_to_install(tmp_path):
     assert proc.returncode == 1
     assert "needs uvicorn" in proc.stderr and 'pip install "empanel-gguf[server]"' in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# llama.cpp's programs' command line, which needs no program built (tests/test_programs.py runs them)
+
+def test_split_args_takes_only_exact_options():
+    parser = programs_cmd.setup_arg_parser("llama-bench")
+    ours, theirs = programs_cmd.split_args(parser, ["-ms", "25%", "-m", "a.gguf", "--moe-policy=lru", "-p", "64",
+                                                "--moe-io-threads", "4", "-n", "16"])
+    assert ours == ["-ms", "25%", "--moe-policy=lru", "--moe-io-threads", "4"]
+    assert theirs == ["-m", "a.gguf", "-p", "64", "-n", "16"]
+    flags = programs_cmd.program_flags(["-m", "a,b.gguf", "-c", "256", "--batch-size=64", "--lora", "x.gguf"])
+    assert flags["model"] == ["a,b.gguf"] and flags["ctx"] == "256"  # a comma is a path's own
+    assert flags["batch"] == "64" and flags["lora"] == ["x.gguf"]
+    flags = programs_cmd.program_flags(["-m", "a.gguf,b.gguf", "-p", "512,1024", "-n", "128"], lists=True)
+    assert flags["model"] == ["a.gguf", "b.gguf"] and flags["n_prompt"] == "512"  # llama-bench's lists
+    # MTP drafting loads the MTP blocks: the plan pages them (issue 36)
+    assert programs_cmd.program_flags(["-m", "a.gguf", "--spec-type", "ngram-cache,draft-mtp"])["spec_type"] == \
+        "ngram-cache,draft-mtp"
+    assert programs_cmd.program_flags(["--spec-type=draft-mtp"])["spec_type"] == "draft-mtp"
+
+
+
+def test_missing_program_says_how_to_build(tmp_path):
+    """The quick start builds no program: `empanel-gguf llama-bench` says how to build it."""
+    from empanel_gguf.commands.options import BUILTIN_MODEL
+
+    proc = subprocess.run([sys.executable, "-m", "empanel_gguf", "llama-bench", "-m", str(BUILTIN_MODEL)],
+                          cwd=REPO, env=child_env(EMPANEL_GGUF_PROGRAMS_DIR=str(tmp_path / "none")),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "EMPANEL_PROGRAMS=ON" in proc.stderr and "Traceback" not in proc.stderr

@@ -6,7 +6,8 @@ through EMPANEL_PLAN. Each program with slot pools is compared with the same pro
 the same perplexity bit for bit, the same greedy text, the same answers of llama-server with
 continuous batching (-np 4) over loopback HTTP. Without the programs (a build without
 EMPANEL_PROGRAMS) these tests are skipped, unless EMPANEL_REQUIRE_PROGRAMS=1 (CI) makes that a
-failure.
+failure (conftest.require_programs); the programs' command line and the message of a missing one
+are tested without them, in tests/test_cli.py.
 """
 
 import concurrent.futures
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import loadgen
 import pytest
-from conftest import child_env
+from conftest import child_env, require_programs
 from loadgen import llama_server
 
 from empanel_gguf import fixtures
@@ -37,13 +38,10 @@ REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for one program run
 THREADS = "2"
 
-_missing = [name for name in programs.PROGRAMS if not (programs.programs_dir() / name).is_file()]
-if _missing:
-    if os.environ.get("EMPANEL_REQUIRE_PROGRAMS") == "1":
-        pytest.fail(f"EMPANEL_REQUIRE_PROGRAMS=1 but {', '.join(_missing)} are not built in "
-                    f"{programs.programs_dir()}", pytrace=False)
-    pytest.skip(f"llama.cpp's programs are not built ({', '.join(_missing)}): build with "
-                "CMAKE_ARGS=-DEMPANEL_PROGRAMS=ON", allow_module_level=True)
+@pytest.fixture(autouse=True)
+def _programs_built():
+    """Every test here runs llama.cpp's programs (the ones that need none: tests/test_cli.py)."""
+    require_programs()
 
 
 def run_program(name, *args, env_extra=None, stdin=subprocess.DEVNULL):
@@ -66,23 +64,6 @@ def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("programs-text") / "text.txt"
     path.write_text(DEFAULT_TEXT * 2)
     return path
-
-
-def test_split_args_takes_only_exact_options():
-    parser = programs.setup_arg_parser("llama-bench")
-    ours, theirs = programs.split_args(parser, ["-ms", "25%", "-m", "a.gguf", "--moe-policy=lru", "-p", "64",
-                                                "--moe-io-threads", "4", "-n", "16"])
-    assert ours == ["-ms", "25%", "--moe-policy=lru", "--moe-io-threads", "4"]
-    assert theirs == ["-m", "a.gguf", "-p", "64", "-n", "16"]
-    flags = programs.program_flags(["-m", "a,b.gguf", "-c", "256", "--batch-size=64", "--lora", "x.gguf"])
-    assert flags["model"] == ["a,b.gguf"] and flags["ctx"] == "256"  # a comma is a path's own
-    assert flags["batch"] == "64" and flags["lora"] == ["x.gguf"]
-    flags = programs.program_flags(["-m", "a.gguf,b.gguf", "-p", "512,1024", "-n", "128"], lists=True)
-    assert flags["model"] == ["a.gguf", "b.gguf"] and flags["n_prompt"] == "512"  # llama-bench's lists
-    # MTP drafting loads the MTP blocks: the plan pages them (issue 36)
-    assert programs.program_flags(["-m", "a.gguf", "--spec-type", "ngram-cache,draft-mtp"])["spec_type"] == \
-        "ngram-cache,draft-mtp"
-    assert programs.program_flags(["--spec-type=draft-mtp"])["spec_type"] == "draft-mtp"
 
 
 def test_program_without_a_model_runs_as_it_is():
@@ -115,12 +96,6 @@ def test_program_refuses_a_malformed_plan(tmp_path):
         proc = subprocess.run([bench, "-m", path, "-p", "8", "-n", "0", "-r", "1"], env=child_env(EMPANEL_PLAN=str(plan)),
                               capture_output=True, text=True, timeout=TIMEOUT)
         assert proc.returncode != 0 and expected in proc.stderr, (expected, proc.stderr[-1500:])
-
-
-def test_missing_program_says_how_to_build(model):
-    proc = run_program("llama-bench", "-m", model, env_extra={"EMPANEL_GGUF_PROGRAMS_DIR": "/nonexistent"})
-    assert proc.returncode == 1
-    assert "EMPANEL_PROGRAMS=ON" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_llama_bench_prints_its_table_with_pools(model, tmp_path):

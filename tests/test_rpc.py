@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, free_port, stop_process
+from conftest import child_env, free_port, require_programs, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -223,10 +223,7 @@ def test_run_command_with_rpc(tmp_path, two_servers):
 def test_llama_perplexity_with_rpc_equal_to_stock(tmp_path, two_servers):
     """llama.cpp's own --rpc: llama-perplexity over the two servers with slot pools prints every
     chunk's value and the final estimate of the same split without them."""
-    from empanel_gguf.commands.programs import programs_dir
-
-    if not (programs_dir() / "llama-perplexity").is_file():
-        pytest.skip("llama.cpp's programs are not built (EMPANEL_PROGRAMS=ON)")
+    require_programs("llama-perplexity")
     from empanel_gguf.commands.options import default_model_path
     from empanel_gguf.profile import DEFAULT_TEXT
 
@@ -430,6 +427,7 @@ def test_llama_server_under_load_survives_a_lost_host(tmp_path):
     import loadgen
     from empanel_gguf.commands.options import default_model_path
 
+    require_programs("llama-server")
     servers = RpcServers(tmp_path / "srv", caches=(True, True))
     try:
         victim = servers.procs[1]

@@ -13,14 +13,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import require_vulkan
 
 REPO = Path(__file__).resolve().parent.parent
 VULKAN_LIB_DIR = os.environ.get("EMPANEL_VULKAN_LIB_DIR", "")
 
-pytestmark = pytest.mark.skipif(
-    not (VULKAN_LIB_DIR and (Path(VULKAN_LIB_DIR) / "libggml-vulkan.so").exists()),
-    reason="no Vulkan build: set EMPANEL_VULKAN_LIB_DIR to a Vulkan build's lib folder (see .ci/run)",
-)
+
+@pytest.fixture(autouse=True)
+def _vulkan_build():
+    require_vulkan()
 
 
 def vulkan_env():
