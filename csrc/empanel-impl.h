@@ -1,7 +1,8 @@
 #pragma once
 
-// internal structures of the sidecar, shared by pool.c (tables, memory), remap.c (policy, waves), files.c (the model
-// files), reader.c (reads) and util.c (errors, clock, digest)
+// internal structures of the sidecar, shared by every unit of csrc/ (pool.c: tables, memory; remap.c and ready.c:
+// policy, waves, ready ops; guess.c: guesses, read-ahead; batch.c and reader.c: reads; files.c: the model files;
+// host_cache.c, preload.c, rpc.c, plan_file.c, load.c, backend.c; util.c: errors, clock, digest)
 
 #include "empanel.h"
 #include "llama-empanel.h"

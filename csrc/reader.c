@@ -5,7 +5,7 @@
 // the calling thread take chunks until none is left, so one expert keeps every thread (and the
 // drive's queue) busy. Pools in plain host memory receive the bytes in their slots directly;
 // others (CPU_REPACK, device memory) get them from a staging buffer through
-// llama_empanel_slot_write (CPU_REPACK: by the thread that lands an expert's last chunk; device
+// empanel_slot_write (backend.c; CPU_REPACK: by the thread that lands an expert's last chunk; device
 // memory: once the batch is read).
 //
 // With O_DIRECT a read is an aligned window around the payload (GGUF data is only 32-byte

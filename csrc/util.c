@@ -1,6 +1,7 @@
 // The helpers every unit of the sidecar uses: errors (a pool's first failure, a caller's err
 // buffer), the monotonic clock and the expert digest. They depend on nothing but the pool's
-// struct, so pool.c, files.c, reader.c and rpc.c share them without depending on each other.
+// struct, so every unit that uses them (batch.c, host_cache.c, load.c, plan_file.c, pool.c,
+// preload.c, reader.c, remap.c, rpc.c) shares them without depending on the others.
 
 #include "empanel.h"
 #include "empanel-impl.h"

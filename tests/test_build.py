@@ -237,6 +237,26 @@ def test_struct_sizes_match_the_ctypes_mirrors():
     assert size_fn(b"no_such_struct") == 0
 
 
+def test_bindings_of_another_struct_layout_are_refused():
+    """The import's check itself: ctypes bindings whose mirror of llama_context_params is one field
+    longer than our build's struct (another llama-cpp-python) are refused, naming the struct."""
+    import types
+
+    import empanel_gguf
+    from empanel_gguf import _native
+
+    real = empanel_gguf.llama_cpp.llama_cpp
+    _native._check_struct_sizes(types.SimpleNamespace(llama_cpp=real))  # the real bindings pass
+
+    class Longer(ctypes.Structure):
+        _fields_ = list(real.llama_context_params._fields_) + [("one_more", ctypes.c_int64)]
+
+    bindings = types.SimpleNamespace(**{name: getattr(real, name) for name in _native.MIRRORED_STRUCTS})
+    bindings.llama_context_params = Longer
+    with pytest.raises(_native.NativeLibraryError, match=r"ABI mismatch: sizeof\(llama_context_params\)"):
+        _native._check_struct_sizes(types.SimpleNamespace(llama_cpp=bindings))
+
+
 def test_library_without_hooks_is_refused():
     """A real library that lacks our API (libggml-base) stands in for a foreign libllama."""
     from empanel_gguf import _native

@@ -445,6 +445,26 @@ def test_modified_in_place_with_mtime_restored_raises(f32_reference, tmp_path, f
     _check_healthy_load_still_works(src, ref)
 
 
+def test_pinned_pools_keep_the_loaded_weights_when_the_file_changes(f32_reference, tmp_path, file_check):
+    """Pools that hold every expert are filled at load and never read again (stock's graph, no
+    remap, no file check): like a stock load without mmap, a later write to the file is not seen,
+    and the outputs stay those of the file as it was loaded."""
+    src, _, ref_full = f32_reference
+    path = tmp_path / "model.gguf"
+    shutil.copy(src, path)
+    llm = Llama(str(path), moe_slots="100%", **KW)
+    try:
+        assert llm.moe_load.pinned and llm.moe_file_check == file_check
+        evaluate(llm, PROMPT)
+        _overwrite_experts(path, path.stat().st_mtime_ns)
+        for token in llm.tokenize(MORE, add_bos=False):
+            llm.eval([token])
+        assert np.array_equal(np.array(llm.scores[: llm.n_tokens]), ref_full)
+        assert llm.moe_stats()["total"]["misses"] == 0
+    finally:
+        llm.close()
+
+
 def test_write_outside_the_experts_raises_too(f32_reference, tmp_path):
     """A write to the dense part (mapped by llama.cpp, never read by us) fails the next decode."""
     src, ref, _ = f32_reference
