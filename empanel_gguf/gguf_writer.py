@@ -57,14 +57,13 @@ def copy_without_tensors(src, dst, drop) -> list:
     tensors a stock load would not count."""
     import struct
 
-    from .index import _read_header
+    from .index import _read_header, align_up
 
     header = _read_header(Path(src))
-    kept = [t for t in header.tensors if not drop(t.name)]
-    align = header.alignment
-    pad = lambda n: -(-n // align) * align  # noqa: E731
+    kept, dropped = [], []
+    for t in header.tensors:
+        (dropped if drop(t.name) else kept).append(t)
     with open(src, "rb") as f, open(dst, "wb") as out:
-        f.seek(0)
         head = f.read(header.info_offset)
         out.write(head[:8] + struct.pack("<Q", len(kept)) + head[16:])  # magic, version | count | n_kv, metadata
         offset = 0
@@ -72,9 +71,9 @@ def copy_without_tensors(src, dst, drop) -> list:
             name = t.name.encode()
             out.write(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.shape)))
             out.write(b"".join(struct.pack("<q", ne) for ne in t.shape) + struct.pack("<IQ", t.type_id, offset))
-            offset += pad(t.nbytes)
-        out.write(b"\0" * (pad(out.tell()) - out.tell()))
+            offset += align_up(t.nbytes, header.alignment)
+        out.write(b"\0" * (align_up(out.tell(), header.alignment) - out.tell()))
         for t in kept:
             f.seek(header.data_offset + t.rel_offset)
-            out.write(f.read(t.nbytes) + b"\0" * (pad(t.nbytes) - t.nbytes))
-    return [t.name for t in header.tensors if drop(t.name)]
+            out.write(f.read(t.nbytes) + b"\0" * (align_up(t.nbytes, header.alignment) - t.nbytes))
+    return [t.name for t in dropped]

@@ -77,6 +77,11 @@ def row_size(type_id: int, ne0: int) -> int:
     return ne0 // block_size * type_size
 
 
+def align_up(n: int, alignment: int) -> int:
+    """n rounded up to a multiple of alignment (GGUF pads the header and every tensor's data so)."""
+    return -(-n // alignment) * alignment
+
+
 def type_name(type_id: int) -> str:
     return GGMLQuantizationType(type_id).name
 
@@ -210,7 +215,7 @@ def _read_header(path: Path) -> _Header:
         raise ModelError(path, f"general.alignment = {alignment!r} is not a power of two; the file is corrupt")
     # The data section starts at the next multiple of the alignment after the header (llama.cpp
     # pads only when there are tensors).
-    data_offset = -(-r.pos // alignment) * alignment if tensors else r.pos
+    data_offset = align_up(r.pos, alignment) if tensors else r.pos
 
     # llama.cpp's gguf reader insists that tensors are packed in order, each padded to the
     # alignment; and the loader that each tensor's data lies inside the file.
@@ -222,7 +227,7 @@ def _read_header(path: Path) -> _Header:
         if data_offset + t.rel_offset + t.nbytes > file_size:
             raise ModelError(path, f"data ends at byte {data_offset + t.rel_offset + t.nbytes} but the file has "
                              f"only {file_size} bytes: the file is truncated; download or copy it again", t.name)
-        expected += -(-t.nbytes // alignment) * alignment
+        expected += align_up(t.nbytes, alignment)
     return _Header(path, file_size, metadata, tensors, alignment, data_offset, info_offset)
 
 
@@ -452,13 +457,11 @@ def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
                 raise ModelError(h.path, "uses the old one-tensor-per-expert layout, which llama.cpp no longer "
                                  "loads; re-convert the model with a current convert_hf_to_gguf.py", t.name)
             block = _BLOCK_RE.match(t.name)
-            skipped = block is not None and int(block.group(1)) >= first_mtp
+            skipped = block is not None and int(block.group(1)) >= first_mtp  # an MTP block llama.cpp skips
+            skipped_bytes += t.nbytes if skipped else 0
             m = _EXPS_RE.match(t.name)
             if not m:
-                if skipped:
-                    skipped_bytes += t.nbytes
-                else:
-                    other_bytes += t.nbytes
+                other_bytes += 0 if skipped else t.nbytes
                 continue
             layer, kind = int(m.group(1)), m.group(2)
             shape = t.shape + (1,) * (_GGML_MAX_DIMS - len(t.shape))  # pad to 4 dims, as ggml does
@@ -470,10 +473,7 @@ def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
                                  "the model is inconsistent, re-convert it", t.name)
             if not 0 <= layer < n_layer:
                 raise ModelError(h.path, f"is on layer {layer} but {arch}.block_count is {n_layer}", t.name)
-            if skipped:
-                skipped_bytes += t.nbytes
-            else:
-                expert_bytes += t.nbytes
+            expert_bytes += 0 if skipped else t.nbytes
             by_layer.setdefault(layer, {})[kind] = ExpertTensor(
                 name=t.name, layer=layer, kind=kind, type_name=type_name(t.type_id),
                 shape=(shape[0], shape[1], shape[2]), shard=i, path=h.path,

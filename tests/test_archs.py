@@ -87,9 +87,7 @@ def mtp_models(tmp_path_factory):
     for raw in sorted((out / "raw").glob("*-moe.gguf")):
         index = load_index(raw)
         assert index.n_layer_nextn == 1 and index.mtp_skipped, raw.name  # an MoE MTP block was written
-        first = index.n_layer - index.n_layer_nextn
-
-        def scale_of_mtp_block(name, first=first):
+        def scale_of_mtp_block(name, first=index.mtp_layers[0]):
             parts = name.split(".")
             return parts[0] == "blk" and int(parts[1]) >= first and parts[-1] in ("scale", "input_scale")
 
@@ -195,12 +193,8 @@ def test_pools_planned_for_a_block_llama_cpp_skips_are_named(mtp_models):
         "sys.exit(1)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    layer = load_index_mtp_layer(path)
-    assert f"blk.{layer}.ffn_down_exps.weight" in proc.stdout, proc.stdout
-    assert "got no pool" in proc.stdout and "not supported" not in proc.stdout, proc.stdout
-
-
-def load_index_mtp_layer(path):
     from empanel_gguf.index import load_index
 
-    return load_index(path).mtp_layers[0]
+    layer = load_index(path).mtp_layers[0]
+    assert f"blk.{layer}.ffn_down_exps.weight" in proc.stdout, proc.stdout
+    assert "got no pool" in proc.stdout and "not supported" not in proc.stdout, proc.stdout
