@@ -40,6 +40,12 @@ static int in_host_memory(ggml_backend_buffer_t buf) {
     return ggml_backend_buffer_is_host(buf) || cpu;
 }
 
+void empanel_pool_tensor_shape(void * pool_tensor, int64_t * n_slots, uint64_t * slot_bytes) {
+    const struct ggml_tensor * t = pool_tensor;
+    *n_slots    = ggml_n_dims(t) <= 3 && t->ne[3] == 1 ? t->ne[2] : -1;
+    *slot_bytes = (uint64_t) t->nb[2];
+}
+
 void * empanel_pool_host_data(void * pool_tensor) {
     struct ggml_tensor * t = pool_tensor;
     if (t == NULL || t->buffer == NULL) {

@@ -16,6 +16,8 @@
 #define EMPANEL_MAX_TENSORS 4           // gate, up, down, gate_up
 #define EMPANEL_ALIGN       LLAMA_EMPANEL_READ_ALIGN // O_DIRECT offset/length/buffer alignment, bytes
 #define EMPANEL_STAGING     (8u << 20)  // bytes of staging for experts on their way to non-plain pools
+#define EMPANEL_MAX_READ_THREADS 256      // reader threads of a pool at most (params.n_threads)
+#define EMPANEL_MAX_CHUNK_BYTES  (1u << 30) // bytes of one read request at most (params.chunk_bytes)
 
 // one routed-expert tensor of a layer: its experts in the file and its pool in memory
 struct empanel_tensor {
@@ -166,7 +168,8 @@ struct empanel_host_cache {
 struct empanel_reader {
     pthread_t     * threads;      // [n_threads]
     int32_t         n_threads;
-    uint8_t      ** bounce;       // [n_threads + 1] aligned chunk buffers (O_DIRECT); last: caller's
+    uint8_t      ** bounce;       // [n_bounce] aligned chunk buffers (O_DIRECT), one per thread; last: caller's
+    int32_t         n_bounce;     // n_threads + 1 (of the threads asked for: some may not have started)
     uint64_t        chunk_bytes;
     int             direct;       // reads use O_DIRECT
     int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
@@ -226,8 +229,7 @@ struct empanel_pool {
 
     // a read-ahead that found the reader busy with a layer's overlapped reads (empanel_ready):
     // posted once they are done (empanel_guess_post_deferred), dropped by the next remap
-    struct empanel_layer    * deferred_guess;
-    int32_t                   deferred_guess_n;
+    struct empanel_layer    * deferred_guess;  // its live guess (layer->distinct, guess_n) is read ahead
 
     // the batch of reads in flight (posted, not finished): at most one
     int                       inflight;
@@ -263,7 +265,8 @@ struct empanel_pool {
     uint64_t  trace_len;
     uint64_t  trace_cap;
 
-    atomic_int failed;
+    atomic_int failed;         // 1: error holds the first failure (set once it is written)
+    atomic_int error_claimed;  // 1: a thread took the first failure and writes error (util.c)
     char       error[512];
 
     // failpoint for tests: read requests from the fault_after-th on fail with EIO (0: never),
@@ -299,6 +302,8 @@ void empanel_prefetch_drop_unrouted(struct empanel_pool * pool, struct empanel_l
 void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
 
 // backend.c: pool tensors through ggml's public backend API
+// a pool tensor's slots (ne[2], -1 if it is not [ne0, ne1, n_slots]) and the bytes between two (nb[2])
+void    empanel_pool_tensor_shape(void * pool_tensor, int64_t * n_slots, uint64_t * slot_bytes);
 // the memory of a pool in host memory of any layout (plain or CPU_REPACK), else NULL; slot s takes
 // bytes [s*nb[2], (s+1)*nb[2])
 void *  empanel_pool_host_data(void * pool_tensor);
@@ -375,6 +380,7 @@ struct empanel_plan {
     uint64_t host_cache_bytes; // the host-RAM tier of device pools (host_cache.c), 0: none
     int32_t * n_slots;                          // [n_layer]
     char   ** paths;                            // [n_paths] the shards
+    uint64_t * file_sizes;                      // [n_paths] their sizes (bytes), as the plan and the files say
     int32_t   n_paths;
     struct empanel_tensor_desc * tensors;       // [n_tensors], names in tensor_names
     char   ** tensor_names;                     // [n_tensors]
@@ -400,6 +406,10 @@ void empanel_plan_free(struct empanel_plan * plan);
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);
 void     empanel_files_close (struct empanel_pool * pool);
 int      empanel_files_check (struct empanel_pool * pool);
+// the files llama.cpp's loader read (n_files, their st_dev and st_ino) are the pool's own; 0, or -1
+// with the reason in err (a file replaced at its path between the two opens)
+int      empanel_files_same  (struct empanel_pool * pool, int32_t n_files, const uint64_t * dev, const uint64_t * ino,
+                              char * err, size_t err_size);
 // reader.c
 int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);

@@ -136,15 +136,17 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
     }
     layer->guess_live = 1;
     layer->guess_n    = n;
-    if (pool->tracing) { // [-(il + 1), n_tokens, n_used, ids]: the lab replays guess-ordered eviction
-        empanel_trace_call(pool, -(il + 1), expert_ids, ids_row_stride, n_used, n_tokens);
+    // [-(il + 1), n_tokens, n_used, ids]: the lab replays guess-ordered eviction. Out of memory
+    // fails the pool (the next remap stops the graph)
+    if (pool->tracing && empanel_trace_call(pool, -(il + 1), expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
+        pthread_mutex_unlock(&pool->lock);
+        return -1;
     }
     if (distance <= pool->prefetch && !pool->lab && !layer->plan_open && !layer->prefetch_open) {
         if (!pool->inflight) {
             prefetch_guess(pool, layer, n);
         } else if (pool->inflight_ready && pool->deferred_guess == NULL) {
-            pool->deferred_guess   = layer; // after the overlapped reads of the layer computing now
-            pool->deferred_guess_n = n;
+            pool->deferred_guess = layer; // after the overlapped reads of the layer computing now
         }
     }
     pthread_mutex_unlock(&pool->lock);
@@ -154,8 +156,11 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
 void empanel_guess_post_deferred(struct empanel_pool * pool) {
     struct empanel_layer * layer = pool->deferred_guess;
     pool->deferred_guess = NULL;
-    if (layer != NULL && !pool->inflight && !layer->plan_open && !layer->prefetch_open && !atomic_load(&pool->failed)) {
-        prefetch_guess(pool, layer, pool->deferred_guess_n);
+    // the layer's live guess as it is now: a later guess of it (read-ahead depth >= 2, another
+    // distance) rewrote layer->distinct and guess_n, and its remap spends it (guess_live 0)
+    if (layer != NULL && layer->guess_live && !pool->inflight && !layer->plan_open && !layer->prefetch_open &&
+        !atomic_load(&pool->failed)) {
+        prefetch_guess(pool, layer, layer->guess_n);
     }
 }
 

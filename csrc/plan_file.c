@@ -199,6 +199,12 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
             goto oom;
         }
         plan->paths = paths;
+        uint64_t * sizes = grow(plan->file_sizes, plan->n_paths, sizeof(uint64_t));
+        if (sizes == NULL) {
+            goto oom;
+        }
+        plan->file_sizes = sizes;
+        plan->file_sizes[plan->n_paths] = size;
         if ((plan->paths[plan->n_paths] = strdup(path)) == NULL) {
             goto oom;
         }
@@ -217,8 +223,8 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
     if (strcmp(kind, "params") == 0) {
         struct empanel_pool_params * p = &plan->params;
         int64_t chunk = 0;
-        if (field_i32(r, &p->n_threads, 0, INT32_MAX) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 ||
-            chunk > UINT32_MAX || field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
+        if (field_i32(r, &p->n_threads, 0, EMPANEL_MAX_READ_THREADS) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 ||
+            chunk > EMPANEL_MAX_CHUNK_BYTES || field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
             field_u64(r, &p->budget_bytes, 10) != 0 || field_i32(r, &p->prefetch, 0, INT32_MAX) != 0 ||
             field_f32(r, &p->subst_ratio) != 0 || !(p->subst_ratio >= 0.0f && p->subst_ratio <= 1.0f) ||
             field_i32(r, &p->verify, 0, 1) != 0) {
@@ -282,9 +288,19 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
     }
     if (strcmp(kind, "tensor") == 0) {
         struct empanel_tensor_desc d = {0};
-        if (field_i32(r, &d.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &d.file, 0, INT32_MAX) != 0 ||
-            field_u64(r, &d.offset, 10) != 0 || field_u64(r, &d.expert_size, 10) != 0 || *r->pos == '\0') {
+        if (field_i32(r, &d.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &d.file, 0, plan->n_paths - 1) != 0 ||
+            field_u64(r, &d.offset, 10) != 0 || field_u64(r, &d.expert_size, 10) != 0 || d.expert_size == 0 ||
+            *r->pos == '\0') {
             goto bad;
+        }
+        // the experts lie inside their file (which the 'file' record sized): no sum below wraps
+        const uint64_t file_size = plan->file_sizes[d.file];
+        if (d.offset > file_size || d.expert_size > (file_size - d.offset) / (uint64_t) plan->n_expert) {
+            empanel_format_err(err, err_size, "%s:%d: tensor %s: %d experts of %llu bytes at offset %llu lie outside "
+                               "its file (%llu bytes)", r->path, r->line_no, rest_of_line(r), plan->n_expert,
+                               (unsigned long long) d.expert_size, (unsigned long long) d.offset,
+                               (unsigned long long) file_size);
+            return -1;
         }
         struct empanel_tensor_desc * tensors = grow(plan->tensors, plan->n_tensors, sizeof(*plan->tensors));
         if (tensors != NULL) {
@@ -388,6 +404,7 @@ void empanel_plan_free(struct empanel_plan * plan) {
         free(plan->paths[i]);
     }
     free(plan->paths);
+    free(plan->file_sizes);
     free(plan->tensors);
     for (int32_t i = 0; i < plan->n_tensors; i++) {
         free(plan->tensor_names[i]);
@@ -454,6 +471,13 @@ static int plan_parse(FILE * f, const char * source, const char * model_path, st
         empanel_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
                            "model, file, shape, params, guess, subst, preload, slots, tensor)", source);
         goto done;
+    }
+    for (int32_t il = 0; il < plan->n_layer; il++) {
+        if (plan->n_slots[il] > 0 && plan->n_slots[il] < plan->n_expert_used) {
+            empanel_format_err(err, err_size, "%s: layer %d has %d slots, fewer than the %d experts a token uses",
+                               source, il, plan->n_slots[il], plan->n_expert_used);
+            goto done;
+        }
     }
     if (plan->pinned && !plan->preload) {
         empanel_format_err(err, err_size, "%s: 'pin 1' needs 'preload 1' (pinned pools hold expert e in slot e "

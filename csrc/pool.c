@@ -125,6 +125,7 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     }
     pthread_mutex_init(&pool->lock, NULL);
     atomic_init(&pool->failed, 0);
+    atomic_init(&pool->error_claimed, 0);
     atomic_init(&pool->n_requests, 0);
     const char * fault = getenv("EMPANEL_FAULT_READ_AFTER");
     pool->fault_after = fault != NULL ? atoll(fault) : 0;
@@ -222,8 +223,10 @@ struct empanel_pool * empanel_pool_init(
             empanel_pool_free(pool);
             return NULL;
         }
-        if (d->file < 0 || d->file >= n_paths ||
-            d->offset + d->expert_size * (uint64_t) n_expert > pool->files[d->file].size) {
+        // no sum wraps: offset + n_expert x expert_size <= size, checked by division
+        const uint64_t file_size = d->file >= 0 && d->file < n_paths ? pool->files[d->file].size : 0;
+        if (d->file < 0 || d->file >= n_paths || d->expert_size == 0 || d->offset > file_size ||
+            d->expert_size > (file_size - d->offset) / (uint64_t) n_expert) {
             empanel_format_err(err, err_size, "%s: experts lie outside %s (offset %llu + %d x %llu bytes > %llu)",
                        d->name, d->file >= 0 && d->file < n_paths ? paths[d->file] : "?",
                        (unsigned long long) d->offset, n_expert, (unsigned long long) d->expert_size,
@@ -463,6 +466,18 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * 
             }
             if (pool_tensor == NULL) {
                 empanel_set_error(pool, "%s: llama.cpp made no slot pool for it", name);
+                return -1;
+            }
+            // reads write expert_size bytes into a slot and host pools give back memory by it:
+            // the tensor must be the plan's [.., .., n_slots] of expert_size bytes a slot
+            int64_t  tensor_slots = 0;
+            uint64_t slot_bytes   = 0;
+            empanel_pool_tensor_shape(pool_tensor, &tensor_slots, &slot_bytes);
+            if (tensor_slots != layer->n_slots || slot_bytes != t->expert_size) {
+                empanel_set_error(pool, "%s: llama.cpp's slot pool has %lld slots of %llu bytes, the plan %d of %llu "
+                                  "(a plan for another file or build: plan the load again)", name,
+                                  (long long) tensor_slots, (unsigned long long) slot_bytes, layer->n_slots,
+                                  (unsigned long long) t->expert_size);
                 return -1;
             }
             t->pool   = pool_tensor;

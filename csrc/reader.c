@@ -214,6 +214,15 @@ static void * reader_thread(void * arg_) {
 
 int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size) {
     struct empanel_reader * reader = &pool->reader;
+    if (n_threads < 0 || n_threads > EMPANEL_MAX_READ_THREADS) {
+        empanel_format_err(err, err_size, "empanel: %d reader threads (0 to %d)", n_threads, EMPANEL_MAX_READ_THREADS);
+        return -1;
+    }
+    if (chunk_bytes > EMPANEL_MAX_CHUNK_BYTES) {
+        empanel_format_err(err, err_size, "empanel: read chunks of %llu bytes (at most %u)",
+                           (unsigned long long) chunk_bytes, EMPANEL_MAX_CHUNK_BYTES);
+        return -1;
+    }
     reader->pool        = pool;
     reader->n_threads   = 0;
     reader->chunk_bytes = empanel_align_up(chunk_bytes > 0 ? chunk_bytes : EMPANEL_ALIGN);
@@ -227,34 +236,43 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
     pthread_cond_init(&reader->cond_work, NULL);
     pthread_cond_init(&reader->cond_done, NULL);
 
-    // a chunk's aligned window can straddle one extra block at each end
-    reader->bounce = calloc(n_threads + 1, sizeof(uint8_t *));
+    // one bounce buffer per thread and the caller's; a chunk's aligned window can straddle one
+    // extra block at each end. What a failure leaves is freed by empanel_reader_stop (every
+    // buffer, started threads joined)
+    reader->bounce = calloc((size_t) n_threads + 1, sizeof(uint8_t *));
     if (reader->bounce == NULL) {
-        snprintf(err, err_size, "empanel: out of memory");
+        empanel_format_err(err, err_size, "empanel: out of memory");
         return -1;
     }
-    for (int32_t i = 0; i <= n_threads; i++) {
+    reader->n_bounce = n_threads + 1;
+    for (int32_t i = 0; i < reader->n_bounce; i++) {
         if (posix_memalign((void **) &reader->bounce[i], EMPANEL_ALIGN, reader->chunk_bytes + 2*EMPANEL_ALIGN) != 0) {
-            snprintf(err, err_size, "empanel: out of memory for read buffers");
+            reader->bounce[i] = NULL;
+            empanel_format_err(err, err_size, "empanel: out of memory for read buffers (%d of %llu bytes)",
+                               reader->n_bounce, (unsigned long long) (reader->chunk_bytes + 2*EMPANEL_ALIGN));
             return -1;
         }
     }
-    reader->threads = calloc(n_threads > 0 ? n_threads : 1, sizeof(pthread_t));
+    reader->threads = calloc(n_threads > 0 ? (size_t) n_threads : 1, sizeof(pthread_t));
     if (reader->threads == NULL) {
-        snprintf(err, err_size, "empanel: out of memory");
+        empanel_format_err(err, err_size, "empanel: out of memory");
         return -1;
     }
+    const char * fault = getenv("EMPANEL_FAULT_THREAD_START"); // tests: thread <n> fails to start (EAGAIN)
+    const int32_t fault_at = fault != NULL ? atoi(fault) : -1;
     for (int32_t i = 0; i < n_threads; i++) {
         struct thread_arg * arg = malloc(sizeof(*arg));
         if (arg == NULL) {
-            snprintf(err, err_size, "empanel: out of memory");
+            empanel_format_err(err, err_size, "empanel: out of memory");
             return -1;
         }
         arg->reader = reader;
         arg->index  = i;
-        if (pthread_create(&reader->threads[i], NULL, reader_thread, arg) != 0) {
+        const int rc = i == fault_at ? EAGAIN : pthread_create(&reader->threads[i], NULL, reader_thread, arg);
+        if (rc != 0) { // pthread_create returns its error; errno is not set
             free(arg);
-            snprintf(err, err_size, "empanel: cannot start reader thread %d: %s", i, strerror(errno));
+            empanel_format_err(err, err_size, "empanel: cannot start reader thread %d of %d: %s", i, n_threads,
+                               strerror(rc));
             return -1;
         }
         reader->n_threads++;
@@ -274,13 +292,14 @@ void empanel_reader_stop(struct empanel_pool * pool) {
     for (int32_t i = 0; i < reader->n_threads; i++) {
         pthread_join(reader->threads[i], NULL);
     }
-    if (reader->bounce != NULL) {
-        for (int32_t i = 0; i <= reader->n_threads; i++) {
-            free(reader->bounce[i]);
-        }
+    for (int32_t i = 0; reader->bounce != NULL && i < reader->n_bounce; i++) {
+        free(reader->bounce[i]);
     }
     free(reader->bounce);
     free(reader->threads);
+    reader->bounce   = NULL;
+    reader->threads  = NULL;
+    reader->n_bounce = 0;
     pthread_mutex_destroy(&reader->mutex);
     pthread_cond_destroy(&reader->cond_work);
     pthread_cond_destroy(&reader->cond_done);
@@ -314,7 +333,7 @@ void empanel_reader_post(struct empanel_pool * pool, struct empanel_read_job * j
 // read the posted batch's chunks alongside the threads and return when every chunk is done
 void empanel_reader_finish(struct empanel_pool * pool) {
     struct empanel_reader * reader = &pool->reader;
-    work_batch(reader, reader->bounce[reader->n_threads]);
+    work_batch(reader, reader->bounce[reader->n_bounce - 1]);
 
     // every chunk done, and no thread still inside work_batch (it reads the batch's fields)
     pthread_mutex_lock(&reader->mutex);
@@ -333,7 +352,7 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     int i = atomic_load(&reader->next);
     while (i < limit) {
         if (atomic_compare_exchange_weak(&reader->next, &i, i + 1)) {
-            work_chunk(reader, i, reader->bounce[reader->n_threads]);
+            work_chunk(reader, i, reader->bounce[reader->n_bounce - 1]);
             i = atomic_load(&reader->next);
         }
     }

@@ -359,6 +359,11 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
         }
         for (; count < half_end[h] - half_begin[h] && next < n_miss; count++) {
             const int32_t s = empanel_pick_victim(layer, pool->policy, half_begin[h], half_end[h], layer->wave_mark, stamp);
+            if (s < 0) { // the half has room for count < its size experts: never, unless the tables are wrong
+                empanel_set_error(pool, "remap: layer %d: wave %d found no slot for its expert in slots [%d, %d)",
+                                  il, w, half_begin[h], half_end[h]);
+                return -1;
+            }
             const int32_t e = layer->misses[next++];
             empanel_place_expert(pool, layer, s, e, call);
             layer->plan_wave[e] = w;
@@ -647,8 +652,9 @@ void empanel_pool_clear_error(struct empanel_pool * pool) {
             reconcile(pool, &pool->layers[il]);
         }
     }
+    atomic_store(&pool->failed, 0); // no reader threads run now: the message is free again
     pool->error[0] = '\0';
-    atomic_store(&pool->failed, 0);
+    atomic_store(&pool->error_claimed, 0);
     pthread_mutex_unlock(&pool->lock);
 }
 

@@ -8,6 +8,7 @@
 
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <sched.h>
 #include <stdio.h>
 #include <time.h>
 
@@ -16,8 +17,15 @@
 #include "xxhash.h"
 
 void empanel_set_error(struct empanel_pool * pool, const char * fmt, ...) {
-    if (atomic_load(&pool->failed)) {
-        return; // keep the first failure: it is the cause
+    // the first failure is the cause: the thread that claims the message writes it, and `failed`
+    // is set only once it is whole, so no reader (of `failed`, then `error`) sees it torn while
+    // reader threads fail at the same time
+    int unclaimed = 0;
+    if (!atomic_compare_exchange_strong(&pool->error_claimed, &unclaimed, 1)) {
+        while (!atomic_load(&pool->failed)) {
+            sched_yield(); // another thread writes the first failure: it is set on return, as ours would be
+        }
+        return;
     }
     va_list args;
     va_start(args, fmt);

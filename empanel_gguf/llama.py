@@ -10,6 +10,7 @@ sidecar. Outputs are bit-identical to the model fully in memory on the same buil
 
 import contextlib
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -262,29 +263,47 @@ class Llama(llama_cpp.Llama):
             experts.free()  # after the model: its graph calls into the pools
 
 
+_load_fields = threading.local()  # .fields: what model_params sets for the loads of this thread
+_wrapper_lock = threading.Lock()
+
+
+def _wrap_model_load():
+    """Once per process: llama_cpp's llama_model_load_from_file (the one function that receives the
+    params, as _internals.LlamaModel calls it) sets the fields model_params gave this thread, and
+    no others: a load in another thread at the same time keeps its own."""
+    module = llama_cpp.llama_cpp
+    with _wrapper_lock:
+        if getattr(module.llama_model_load_from_file, "empanel_wrapped", False):
+            return
+        original = module.llama_model_load_from_file
+
+        def load(path_model, params):
+            for name, value in getattr(_load_fields, "fields", {}).items():
+                setattr(params, name, value)
+            return original(path_model, params)
+
+        load.empanel_wrapped = True
+        module.llama_model_load_from_file = load
+
+
 @contextlib.contextmanager
 def model_params(**fields):
-    """Within the block, models load with these llama_model_params fields set (None: left as
-    llama-cpp-python sets them): use_extra_bufts=False is llama.cpp's --no-repack (no CPU repack
-    buffers, weights and pools in their file layout), load_mtp=True loads the MTP blocks.
-    llama_cpp.Llama has no argument for either and builds the params inside __init__, so the one
-    function that receives them, llama_model_load_from_file (as _internals.LlamaModel calls it),
-    is wrapped."""
-    module = llama_cpp.llama_cpp
-    original = module.llama_model_load_from_file
+    """Within the block, models this thread loads get these llama_model_params fields (None: left
+    as llama-cpp-python sets them): use_extra_bufts=False is llama.cpp's --no-repack (no CPU
+    repack buffers, weights and pools in their file layout), load_mtp=True loads the MTP blocks.
+    llama_cpp.Llama has no argument for either and builds the params inside __init__; the fields
+    are carried per thread (_wrap_model_load), so loads in other threads are not touched."""
     given = {name: value for name, value in fields.items() if value is not None}
-
-    def load(path_model, params):
-        for name, value in given.items():
-            setattr(params, name, value)
-        return original(path_model, params)
-
-    if given:
-        module.llama_model_load_from_file = load
+    if not given:
+        yield
+        return
+    _wrap_model_load()
+    previous = getattr(_load_fields, "fields", {})
+    _load_fields.fields = {**previous, **given}
     try:
         yield
     finally:
-        module.llama_model_load_from_file = original
+        _load_fields.fields = previous
 
 
 def _preload(experts, verbose):

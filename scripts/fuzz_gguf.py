@@ -85,11 +85,19 @@ def _load_and_decode(path, moe_slots):
         llm.close()
 
 
-def worker(mem_limit_gib: float) -> None:
+def cap_memory(mem_limit_gib: float) -> None:
+    """Cap this process's address space, so that a corrupt count that asks for terabytes fails with
+    an error. Not under a sanitizer (scripts/sanitize.sh): its shadow memory is terabytes of
+    address space itself."""
     import resource
 
-    limit = int(mem_limit_gib * (1 << 30))
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if not os.environ.get("EMPANEL_SANITIZER"):
+        limit = int(mem_limit_gib * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def worker(mem_limit_gib: float) -> None:
+    cap_memory(mem_limit_gib)
     import io
     from contextlib import redirect_stdout
 
@@ -117,10 +125,13 @@ def worker(mem_limit_gib: float) -> None:
 
 
 class Worker:
-    def __init__(self, mem_limit_gib):
+    """A worker process (`script --worker --mem-limit-gib N ...`) that takes case paths on stdin and
+    answers each with a RESULT line; scripts/fuzz_plan.py drives its own worker with it."""
+
+    def __init__(self, mem_limit_gib, script=__file__, args=()):
         env = dict(os.environ, EMPANEL_PROFILE_DIR=os.environ.get("EMPANEL_PROFILE_DIR", tempfile.mkdtemp()))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--mem-limit-gib", str(mem_limit_gib)],
+            [sys.executable, str(script), "--worker", "--mem-limit-gib", str(mem_limit_gib), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
     def run(self, path, timeout):
@@ -153,6 +164,17 @@ class Worker:
         self.proc.wait(timeout=30)
 
 
+def tally(results: dict, outcomes: dict, findings: list, case: dict) -> None:
+    """Count a finished case's step results by kind (ok, error: Type); an unclear one is a finding."""
+    for step, result in results.items():
+        first = result.split(":")[0] if result != "ok" else "ok"
+        outcomes.setdefault(step, {})
+        outcomes[step][first] = outcomes[step].get(first, 0) + 1
+        if result.startswith("UNCLEAR"):
+            findings.append({**case, "kind": "unclear", "step": step, "detail": result})
+            print(f"case {case['case']}: {step} {result} {case}", flush=True)
+
+
 def fuzz(model: Path, cases: int, seed: int, seconds: float, case_timeout: float, mem_limit_gib: float,
          workdir: Path) -> dict:
     data = model.read_bytes()
@@ -176,13 +198,7 @@ def fuzz(model: Path, cases: int, seed: int, seconds: float, case_timeout: float
             (workdir / f"finding-{i}.gguf").write_bytes(mutated)
             worker = Worker(mem_limit_gib)
             continue
-        for step, result in results.items():
-            first = result.split(":")[0] if result != "ok" else "ok"
-            outcomes[step][first] = outcomes[step].get(first, 0) + 1
-            if result.startswith("UNCLEAR"):
-                findings.append({"case": i, "seed": seed, "flips": flips, "kind": "unclear", "step": step,
-                                 "detail": result})
-                print(f"case {i}: {step} {result} flips={flips}", flush=True)
+        tally(results, outcomes, findings, {"case": i, "seed": seed, "flips": flips})
     worker.close()
     return {"model": str(model), "seed": seed, "cases": done, "header_bytes": end,
             "seconds": round(time.monotonic() - t0, 1), "outcomes": outcomes, "findings": findings}

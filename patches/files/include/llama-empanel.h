@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 // bumped whenever a function below changes; empanel-gguf refuses a library with another version
-#define LLAMA_EMPANEL_API_VERSION 10
+#define LLAMA_EMPANEL_API_VERSION 11
 
 // the O_DIRECT block of the sidecar's reads, bytes: plain host pools are placed at their file
 // offset modulo this so that reads land in their slots
@@ -144,6 +144,12 @@ extern "C" {
     // number of pool tensors of a loaded model, and one by its GGUF tensor name (NULL if not paged)
     LLAMA_API int32_t             llama_empanel_n_pools(const struct llama_model * model);
     LLAMA_API struct ggml_tensor * llama_empanel_pool(const struct llama_model * model, const char * name);
+
+    // the identity of file i (0: the first shard, then the others in split order) as llama.cpp's
+    // loader opened it for the model (st_dev, st_ino), so that the sidecar checks that its own
+    // descriptors name the same files. Returns the number of files the loader opened (0 for a
+    // model without pools); *dev and *ino are set only for 0 <= i < that number
+    LLAMA_API int32_t llama_empanel_model_file(const struct llama_model * model, int32_t i, uint64_t * dev, uint64_t * ino);
 
     // whether a pool's waves are masked (above): its kernels read every slot while a wave
     // computes, so no slot of it may be written then

@@ -7,6 +7,8 @@
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
 
+#include "llama-mmap.h"
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -31,8 +33,10 @@ void llama_empanel_observe(ggml_tensor * t);
 ggml_context * llama_empanel_pool_ctx(ggml_backend_buffer_type_t buft);
 
 // model: allocate and zero the current load's pools, hand them to the model's buffers
-// (ctxs_bufs) and register them for the graph
-void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs);
+// (ctxs_bufs) and register them for the graph, with the identity of the files the loader read
+// (files: its open files, for llama_empanel_model_file)
+void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs,
+                               const llama_files & files);
 
 // model: forget a model's pools (its buffers are freed with the model)
 void llama_empanel_model_free(const llama_model * model);
@@ -90,6 +94,14 @@ ggml_status llama_empanel_program_status(const llama_model * model, ggml_status 
 // timed out during it (ggml-rpc, patch 0008: its outputs are zeros, not the model's). Only a
 // sched with RPC backends is synchronized to know.
 bool llama_empanel_hosts_ok(ggml_backend_sched_t sched);
+
+// context: a graph computation over the model's pools begins; returns what
+// llama_empanel_graph_end takes after it (nullptr for a model without paged pools). One graph at a
+// time computes over a model's paged pools, so that two contexts on one model (two threads, or
+// MTP drafting's second context) each see the pools as if alone
+void * llama_empanel_graph_begin(const llama_model * model);
+// context: the computation ended (its device work is waited for first)
+void   llama_empanel_graph_end(void * graph, ggml_backend_sched_t sched);
 
 // context: graph nodes the waves of a micro-batch of n_tokens add to a model's graph (upper bound)
 uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_tokens);

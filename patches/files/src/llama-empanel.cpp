@@ -3,6 +3,7 @@
 
 #include "llama-hparams.h"
 #include "llama-impl.h"
+#include "llama-model.h"
 
 #include "ggml-backend.h"
 
@@ -17,6 +18,10 @@
 #include <set>
 #include <string>
 #include <tuple>
+
+#ifndef _WIN32
+#include <sys/stat.h>
+#endif
 
 #ifndef EMPANEL_LLAMA_COMMIT
 #define EMPANEL_LLAMA_COMMIT "unknown"
@@ -106,6 +111,10 @@ struct llama_empanel_model {
     std::map<std::string, ggml_tensor *>                    pools;    // GGUF tensor name -> pool
     std::vector<ggml_tensor *>                              observed; // weights of observed layers
     std::vector<std::unique_ptr<llama_empanel_layer>>      layers;   // userdata of the remap ops
+    // held by a context's graph over the pools from the start of its computation to the end of
+    // its last kernel (llama_empanel_graph_begin/end); NULL: every layer pinned, nothing shared
+    std::unique_ptr<std::mutex>                             graph_lock;
+    std::vector<std::pair<uint64_t, uint64_t>>              files;    // (st_dev, st_ino) of each file the loader read
 };
 
 static thread_local std::unique_ptr<llama_empanel_load> g_load;
@@ -303,11 +312,21 @@ static ggml_backend_buffer_t empanel_alloc_at_phase(ggml_context * ctx, ggml_bac
     return buf;
 }
 
-void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs) {
+void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs,
+                               const llama_files & files) {
     if (!g_load || (g_load->pool_ctxs.empty() && g_load->observed.empty())) {
         return;
     }
     llama_empanel_model entry;
+#ifndef _WIN32
+    for (const auto & file : files) {
+        struct stat st;
+        const bool ok = fstat(file->file_id(), &st) == 0;
+        entry.files.emplace_back(ok ? (uint64_t) st.st_dev : 0, ok ? (uint64_t) st.st_ino : 0);
+    }
+#else
+    GGML_UNUSED(files);
+#endif
     std::map<int32_t, llama_empanel_layer *> layer_of; // il -> its remap state
     auto layer_for = [&](int32_t il, bool observe) {
         if (layer_of.find(il) == layer_of.end()) {
@@ -329,6 +348,16 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
         return layer_of[il];
     };
 
+    // a token's experts must fit a layer's pools at once (MUL_MAT_ID's slot ids, and the masked
+    // waves' fillers): a plan with fewer slots is refused here, not asserted in the graph
+    for (uint32_t il = 0; il < g_load->n_slots.size() && il < model->hparams.n_layer_all; il++) {
+        const int32_t  n    = g_load->n_slots[il];
+        const uint32_t topk = model->hparams.n_expert_used(il);
+        if (n > 0 && (uint32_t) n < topk) {
+            throw std::runtime_error(format("empanel: layer %u has %d slots, fewer than the %u experts a token "
+                    "uses: plan at least top-k slots per layer", il, n, topk));
+        }
+    }
     for (auto & [buft, ctx_ptr] : g_load->pool_ctxs) {
         ggml_context * ctx = ctx_ptr.get();
         ggml_backend_buffer_t buf;
@@ -394,6 +423,11 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
     }
     entry.observed = std::move(g_load->observed);
     g_load->observed.clear();
+    for (const auto & layer : entry.layers) {
+        if (!layer->pinned && !entry.graph_lock) {
+            entry.graph_lock = std::make_unique<std::mutex>();
+        }
+    }
 
     std::lock_guard<std::mutex> lock(g_mutex);
     for (auto & [name, t] : entry.pools) {
@@ -441,6 +475,20 @@ ggml_tensor * llama_empanel_pool(const llama_model * model, const char * name) {
 //
 // graph
 //
+
+int32_t llama_empanel_model_file(const llama_model * model, int32_t i, uint64_t * dev, uint64_t * ino) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_models.find(model);
+    if (it == g_models.end()) {
+        return 0;
+    }
+    const auto & files = it->second.files;
+    if (i >= 0 && i < (int32_t) files.size()) {
+        *dev = files[i].first;
+        *ino = files[i].second;
+    }
+    return (int32_t) files.size();
+}
 
 bool llama_empanel_pool_masked(const ggml_tensor * pool) {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -822,6 +870,34 @@ void llama_empanel_each_mul_mat_id(ggml_tensor * res, const std::function<void(g
         fn(part->src[0]);
         res = res->op == GGML_OP_ADD ? res->src[0] : nullptr;
     }
+}
+
+// Two contexts on one model share its pools: the slots one context's remap fills are read by
+// that context's MUL_MAT_IDs later in its graph, and its waves, read-ahead and the read batch in
+// flight span several ops of that graph. So one graph at a time computes over a model's pools
+// (paged or observed; pinned pools never change): a second context's graph waits for the first
+// one's to end, and each sees the pools as if it were alone, which is what stock gives.
+void * llama_empanel_graph_begin(const llama_model * model) {
+    std::mutex * graph_lock = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_models.find(model);
+        graph_lock = it != g_models.end() ? it->second.graph_lock.get() : nullptr;
+    }
+    if (graph_lock != nullptr) {
+        graph_lock->lock(); // the model outlives its contexts' computations: the lock stays
+    }
+    return graph_lock;
+}
+
+void llama_empanel_graph_end(void * graph, ggml_backend_sched_t sched) {
+    if (graph == nullptr) {
+        return;
+    }
+    // the last kernels may still run on a device (the computation is asynchronous), reading slots
+    // that the next context's remap may overwrite
+    ggml_backend_sched_synchronize(sched);
+    static_cast<std::mutex *>(graph)->unlock();
 }
 
 uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_tokens) {
