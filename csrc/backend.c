@@ -10,6 +10,7 @@
 #include "ggml.h"
 #include "llama.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -92,16 +93,20 @@ void empanel_staging_release(void * buffer) {
 // name so that dynamically loaded CPU backends work too
 typedef int (*repack_slice_fn)(struct ggml_tensor * t, const void * data, size_t size, int64_t i2);
 
+static repack_slice_fn g_repack_slice = NULL;
+static pthread_once_t  g_repack_once  = PTHREAD_ONCE_INIT;
+
+static void repack_slice_find(void) {
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_reg_t reg = dev != NULL ? ggml_backend_dev_backend_reg(dev) : NULL;
+    g_repack_slice = reg != NULL ? (repack_slice_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_repack_set_slice") : NULL;
+}
+
+// looked up once, by the first of the reader threads that repack at the same time (ThreadSanitizer
+// found the unguarded lookup racing)
 static repack_slice_fn repack_slice(void) {
-    static repack_slice_fn fn   = NULL;
-    static int             done = 0;
-    if (!done) {
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-        ggml_backend_reg_t reg = dev != NULL ? ggml_backend_dev_backend_reg(dev) : NULL;
-        fn   = reg != NULL ? (repack_slice_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_repack_set_slice") : NULL;
-        done = 1;
-    }
-    return fn;
+    pthread_once(&g_repack_once, repack_slice_find);
+    return g_repack_slice;
 }
 
 int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size) {

@@ -752,6 +752,8 @@ print(json.dumps({"peak": proc_status()["VmHWM"]}))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.skipif(bool(os.environ.get("EMPANEL_SANITIZER")),
+                    reason="a sanitizer's shadow memory and quarantine are in the RSS (scripts/sanitize.sh)")
 @pytest.mark.parametrize("moe_slots", [8, 64, None])
 def test_estimate_holds_the_measured_peak_rss(fixture_dir, moe_slots):
     """The memory guard refuses by the estimate (plan.plan_load): a load, a 256-token prompt and a
