@@ -406,10 +406,10 @@ void empanel_plan_free(struct empanel_plan * plan);
 int      empanel_files_open  (struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io, char * err, size_t err_size);
 void     empanel_files_close (struct empanel_pool * pool);
 int      empanel_files_check (struct empanel_pool * pool);
-// the files llama.cpp's loader read (n_files, their st_dev and st_ino) are the pool's own; 0, or -1
-// with the reason in err (a file replaced at its path between the two opens)
-int      empanel_files_same  (struct empanel_pool * pool, int32_t n_files, const uint64_t * dev, const uint64_t * ino,
-                              char * err, size_t err_size);
+// file i of the pool is the one llama.cpp's loader read (its st_dev and st_ino); 0, or -1 with the
+// reason in err (a file replaced at its path between the two opens)
+int      empanel_file_is     (struct empanel_pool * pool, int32_t i, uint64_t dev, uint64_t ino, char * err,
+                              size_t err_size);
 // reader.c
 int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);

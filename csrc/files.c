@@ -145,26 +145,18 @@ static void files_watch(struct empanel_pool * pool) {
 #endif
 }
 
-int empanel_files_same(struct empanel_pool * pool, int32_t n_files, const uint64_t * dev, const uint64_t * ino,
-                       char * err, size_t err_size) {
-    if (n_files != pool->n_files) {
-        empanel_format_err(err, err_size, "llama.cpp read %d file(s) of the model, the plan names %d: reload the model",
-                           n_files, pool->n_files);
+int empanel_file_is(struct empanel_pool * pool, int32_t i, uint64_t dev, uint64_t ino, char * err, size_t err_size) {
+    const struct empanel_file * f = &pool->files[i];
+    struct stat st;
+    if (fstat(f->fd, &st) != 0) {
+        empanel_format_err(err, err_size, "%s: fstat failed: %s", f->path, strerror(errno));
         return -1;
     }
-    for (int32_t i = 0; i < n_files; i++) {
-        const struct empanel_file * f = &pool->files[i];
-        struct stat st;
-        if (fstat(f->fd, &st) != 0) {
-            empanel_format_err(err, err_size, "%s: fstat failed: %s", f->path, strerror(errno));
-            return -1;
-        }
-        if ((uint64_t) st.st_dev != dev[i] || (uint64_t) st.st_ino != ino[i]) {
-            empanel_format_err(err, err_size, "%s was replaced between empanel-gguf's open and llama.cpp's (another "
-                               "file now has its path): the dense weights would come from one file and the "
-                               "experts from another; load the model again", f->path);
-            return -1;
-        }
+    if ((uint64_t) st.st_dev != dev || (uint64_t) st.st_ino != ino) {
+        empanel_format_err(err, err_size, "%s was replaced between empanel-gguf's open and llama.cpp's (another "
+                           "file now has its path): the dense weights would come from one file and the "
+                           "experts from another; load the model again", f->path);
+        return -1;
     }
     return 0;
 }

@@ -155,22 +155,19 @@ int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model *
         return -1;
     }
     // the files llama.cpp read the dense weights from must be the ones our reads take experts from
+    // (0: a model without pools, nothing to compare)
     const int32_t n_files = llama_empanel_model_file(model, -1, NULL, NULL);
-    uint64_t * dev = calloc((size_t) n_files + 1, sizeof(uint64_t));
-    uint64_t * ino = calloc((size_t) n_files + 1, sizeof(uint64_t));
-    int same = dev != NULL && ino != NULL ? 0 : -1;
-    for (int32_t i = 0; same == 0 && i < n_files; i++) {
-        llama_empanel_model_file(model, i, &dev[i], &ino[i]);
-    }
-    if (same != 0) {
-        empanel_format_err(err, err_size, "empanel_load_bind: out of memory");
-    } else {
-        same = n_files > 0 ? empanel_files_same(load->pool, n_files, dev, ino, err, err_size) : 0; // 0: no pools
-    }
-    free(dev);
-    free(ino);
-    if (same != 0) {
+    if (n_files > 0 && n_files != load->pool->n_files) {
+        empanel_format_err(err, err_size, "llama.cpp read %d file(s) of the model, the plan names %d: reload the model",
+                           n_files, load->pool->n_files);
         return -1;
+    }
+    for (int32_t i = 0; i < n_files; i++) {
+        uint64_t dev = 0, ino = 0;
+        llama_empanel_model_file(model, i, &dev, &ino);
+        if (empanel_file_is(load->pool, i, dev, ino, err, err_size) != 0) {
+            return -1;
+        }
     }
     load->n_masked = 0;
     for (int32_t i = 0; i < load->plan.n_tensors; i++) {

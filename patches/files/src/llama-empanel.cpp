@@ -423,10 +423,8 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
     }
     entry.observed = std::move(g_load->observed);
     g_load->observed.clear();
-    for (const auto & layer : entry.layers) {
-        if (!layer->pinned && !entry.graph_lock) {
-            entry.graph_lock = std::make_unique<std::mutex>();
-        }
+    if (std::any_of(entry.layers.begin(), entry.layers.end(), [](const auto & layer) { return !layer->pinned; })) {
+        entry.graph_lock = std::make_unique<std::mutex>();
     }
 
     std::lock_guard<std::mutex> lock(g_mutex);
