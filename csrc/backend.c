@@ -13,6 +13,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 size_t empanel_struct_size(const char * name) {
     struct entry { const char * name; size_t size; };
@@ -33,26 +35,12 @@ size_t empanel_struct_size(const char * name) {
     return 0;
 }
 
-// CPU extra buffer types (CPU_REPACK) are host memory that does not say so (is_host is for the
-// plain layout): they belong to the CPU device
-static int in_host_memory(ggml_backend_buffer_t buf) {
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
-    const int cpu = dev != NULL && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    return ggml_backend_buffer_is_host(buf) || cpu;
-}
-
-void empanel_pool_tensor_shape(void * pool_tensor, int64_t * n_slots, uint64_t * slot_bytes) {
-    const struct ggml_tensor * t = pool_tensor;
-    *n_slots    = ggml_n_dims(t) <= 3 && t->ne[3] == 1 ? t->ne[2] : -1;
-    *slot_bytes = (uint64_t) t->nb[2];
-}
-
 void * empanel_pool_host_data(void * pool_tensor) {
     struct ggml_tensor * t = pool_tensor;
     if (t == NULL || t->buffer == NULL) {
         return NULL;
     }
-    return in_host_memory(t->buffer) ? t->data : NULL;
+    return llama_empanel_buffer_in_host_memory(t->buffer) ? t->data : NULL;
 }
 
 void * empanel_slot_data(void * pool_tensor, int32_t slot) {
@@ -68,7 +56,7 @@ void * empanel_slot_data(void * pool_tensor, int32_t slot) {
     return (char *) t->data + (size_t) slot * t->nb[2];
 }
 
-void * empanel_staging_alloc(void * pool_tensor, size_t size, void ** buffer) {
+void * empanel_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer) {
     struct ggml_tensor * t = pool_tensor;
     ggml_backend_buffer_type_t buft = NULL;
     if (t != NULL && t->buffer != NULL) {
@@ -83,7 +71,7 @@ void * empanel_staging_alloc(void * pool_tensor, size_t size, void ** buffer) {
     return buf != NULL ? ggml_backend_buffer_get_base(buf) : NULL;
 }
 
-void empanel_staging_release(void * buffer) {
+void empanel_host_buffer_free(void * buffer) {
     if (buffer != NULL) {
         ggml_backend_buffer_free(buffer);
     }
@@ -131,8 +119,8 @@ int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, 
 int32_t empanel_offload_devices(void) {
     int32_t n = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
-        const enum ggml_backend_dev_type type = ggml_backend_dev_type(ggml_backend_dev_get(i));
-        n += type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU;
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        n += llama_empanel_device_is_gpu(dev) || llama_empanel_device_is_rpc(dev);
     }
     return n;
 }
@@ -141,10 +129,35 @@ int32_t empanel_unified_devices(void) {
     int32_t n = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
         const char * reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
-        n += type == GGML_BACKEND_DEVICE_TYPE_IGPU ||
-             (type == GGML_BACKEND_DEVICE_TYPE_GPU && reg != NULL && strcmp(reg, "MTL") == 0); // Apple: unified
+        n += llama_empanel_device_is_gpu(dev) && (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_IGPU ||
+                                                  (reg != NULL && strcmp(reg, "MTL") == 0)); // Apple: unified
     }
     return n;
+}
+
+// give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
+// also zero the bytes of the partial pages at both ends
+void empanel_memory_release(uint8_t * ptr, uint64_t size, int zero_edges) {
+    const uint64_t page  = (uint64_t) sysconf(_SC_PAGESIZE);
+    const uint64_t begin = ((uint64_t) (uintptr_t) ptr + page - 1) / page * page;
+    const uint64_t end   = ((uint64_t) (uintptr_t) ptr + size) / page * page;
+    if (begin >= end) {
+        if (zero_edges) {
+            memset(ptr, 0, size);
+        }
+        return;
+    }
+    if (zero_edges) {
+        memset(ptr, 0, begin - (uintptr_t) ptr);
+        memset((uint8_t *) (uintptr_t) end, 0, (uintptr_t) ptr + size - end);
+    }
+#if defined(__linux__)
+    if (madvise((void *) (uintptr_t) begin, end - begin, MADV_DONTNEED) == 0) {
+        return; // private anonymous memory: zero-filled on the next touch
+    }
+#endif
+    if (zero_edges) {
+        memset((void *) (uintptr_t) begin, 0, end - begin);
+    }
 }

@@ -1,12 +1,10 @@
 // Batches of expert reads: a remap's misses (or a wave's, a read-ahead's, a preload's) planned
 // as jobs (expert x tensor) cut into chunks, posted to the reader threads (reader.c), waited for
 // and accounted for. A batch may stay in flight while the graph computes (the next wave's
-// experts, a layer's overlapped reads, a read-ahead): empanel_read_post* starts it,
-// empanel_read_finish waits for it; at most one is in flight.
+// experts, a layer's overlapped reads, a read-ahead): empanel_batch_post* starts it,
+// empanel_batch_finish waits for it; at most one is in flight.
 
 #include "empanel-impl.h"
-
-#include "llama-empanel.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -50,38 +48,38 @@ static int remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * 
     return 0;
 }
 
-void empanel_staging_free(struct empanel_pool * pool) {
-    if (pool->staging != NULL) {
-        if (pool->staging_buffer != NULL) {
-            empanel_staging_release(pool->staging_buffer);
+void empanel_batch_staging_free(struct empanel_pool * pool) {
+    if (pool->batch.staging != NULL) {
+        if (pool->batch.staging_buffer != NULL) {
+            empanel_host_buffer_free(pool->batch.staging_buffer);
         } else {
-            free(pool->staging);
+            free(pool->batch.staging);
         }
     }
-    pool->staging        = NULL;
-    pool->staging_buffer = NULL;
-    pool->staging_size   = 0;
+    pool->batch.staging        = NULL;
+    pool->batch.staging_buffer = NULL;
+    pool->batch.staging_size   = 0;
 }
 
 static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks, uint64_t staging) {
-    if (n_jobs > pool->jobs_cap) {
-        void * p = realloc(pool->jobs, sizeof(*pool->jobs) * n_jobs);
+    if (n_jobs > pool->batch.jobs_cap) {
+        void * p = realloc(pool->batch.jobs, sizeof(*pool->batch.jobs) * n_jobs);
         if (p == NULL) { return -1; }
-        pool->jobs     = p;
-        pool->jobs_cap = n_jobs;
+        pool->batch.jobs     = p;
+        pool->batch.jobs_cap = n_jobs;
     }
-    if (n_chunks > pool->chunks_cap) {
-        void * p = realloc(pool->chunks, sizeof(*pool->chunks) * n_chunks);
+    if (n_chunks > pool->batch.chunks_cap) {
+        void * p = realloc(pool->batch.chunks, sizeof(*pool->batch.chunks) * n_chunks);
         if (p == NULL) { return -1; }
-        pool->chunks     = p;
-        pool->chunks_cap = n_chunks;
+        pool->batch.chunks     = p;
+        pool->batch.chunks_cap = n_chunks;
     }
-    if (staging > pool->staging_size) {
-        empanel_staging_free(pool);
-        pool->staging      = pool->staging_owner ? empanel_staging_alloc(pool->staging_owner, staging, &pool->staging_buffer)
+    if (staging > pool->batch.staging_size) {
+        empanel_batch_staging_free(pool);
+        pool->batch.staging      = pool->batch.staging_owner ? empanel_host_buffer_alloc(pool->batch.staging_owner, staging, &pool->batch.staging_buffer)
                                                  : malloc(staging);
-        pool->staging_size = pool->staging ? staging : 0;
-        if (pool->staging == NULL) { return -1; }
+        pool->batch.staging_size = pool->batch.staging ? staging : 0;
+        if (pool->batch.staging == NULL) { return -1; }
     }
     return 0;
 }
@@ -146,7 +144,7 @@ static int32_t chunks_per_job(const struct empanel_reader * reader, uint64_t siz
     return (int32_t) ((size + 2*EMPANEL_ALIGN) / reader->chunk_bytes + 4);
 }
 
-uint64_t empanel_staged_bytes(const struct empanel_tensor * t) {
+uint64_t empanel_batch_staged_bytes(const struct empanel_tensor * t) {
     return t->direct ? 0 : empanel_window_bytes(t);
 }
 
@@ -158,20 +156,81 @@ static void expert_needs(const struct empanel_reader * reader, const struct empa
     *max_chunks = 0;
     for (int32_t i = t0; i < t1; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
-        *staged     += empanel_staged_bytes(t);
+        *staged     += empanel_batch_staged_bytes(t);
         *max_chunks += chunks_per_job(reader, t->expert_size);
     }
 }
 
+// the totals of a batch being planned
+struct batch_plan {
+    uint8_t * staging;    // aligned start of the pool's staging
+    uint64_t  stamp;      // the batch's stamp (host tier)
+    int32_t   n_jobs;
+    int32_t   n_chunks;
+    uint64_t  staged;     // bytes of staging taken, a multiple of EMPANEL_ALIGN
+    uint64_t  io_bytes;
+    uint64_t  bounced;
+    uint64_t  payload;
+    int32_t   n_landing[EMPANEL_MAX_TENSORS]; // tensor i's jobs that land through the readers
+    int32_t   chunk_end[EMPANEL_MAX_TENSORS]; // chunks up to tensor i's last
+};
+
+// the read of expert -> slot of tensor i into the plan: a job and its chunks (none if an RPC
+// host's cache or the host tier has its bytes)
+static void plan_job(struct empanel_pool * pool, struct empanel_layer * layer, int32_t i, int32_t expert, int32_t slot,
+                     struct batch_plan * bp) {
+    struct empanel_tensor * t = &layer->tensors[i];
+    if (remote_by_hash(layer, t, expert, slot)) {
+        t->held[slot] = expert; // in place, nothing to read
+        return;
+    }
+    struct empanel_read_job * job = &pool->batch.jobs[bp->n_jobs];
+    job->tensor  = t;
+    job->expert  = expert;
+    job->slot    = slot;
+    job->dst     = empanel_slot_data(t->pool, slot);
+    job->convert = 0;
+    job->remote_hash = 0;
+    job->landed  = 0;
+    atomic_store(&job->dropped, 0);
+    atomic_store(&job->skipped, 0);
+    const int to_staging = !t->direct || job->dst == NULL;
+    int tier_hit = 0;
+    uint8_t * tier = empanel_host_cache_get(pool, layer, i, expert, bp->stamp, &tier_hit);
+    job->tier = tier == NULL ? 0 : tier_hit ? 2 : 1;
+    if (tier != NULL) { // device pools with a host tier: read into the entry, written from it
+        job->dst     = tier;
+        job->convert = 2;
+    } else if (to_staging) { // the window's room, the payload at its phase in the file
+        job->dst     = empanel_window_payload(bp->staging + bp->staged, t, expert);
+        job->convert = t->host != NULL ? 1 : 2;
+        bp->staged  += empanel_window_bytes(t);
+    }
+    t->held[slot] = -1; // being written
+    if (job->tier == 2) { // written from the tier at the finish, nothing to read
+        atomic_store(&job->chunks_left, 0);
+        job->verify_ns = 0;
+        job->landed    = 1;
+        bp->n_jobs++;
+        return;
+    }
+    bp->n_chunks += plan_chunks(&pool->reader, job, bp->n_jobs, to_staging || tier != NULL,
+                                pool->batch.chunks + bp->n_chunks, &bp->io_bytes, &bp->bounced);
+    bp->payload  += t->expert_size;
+    bp->n_jobs++;
+    bp->n_landing[i]++;
+    bp->chunk_end[i] = bp->n_chunks;
+}
+
 // plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer, tensor by
 // tensor (order: their indices in the order to read them, each waited for on its own with
-// empanel_read_wait_tensor; NULL: in index order); nothing may be in flight. Their slots hold
-// nothing until empanel_read_finish succeeds.
+// empanel_batch_wait_tensor; NULL: in index order), or (by_expert) expert after expert; nothing
+// may be in flight. Their slots hold nothing until empanel_batch_finish succeeds.
 static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t t0, int32_t t1,
                       const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order,
                       int by_expert) {
-    struct empanel_reader * reader = &pool->reader;
-    if (pool->inflight) {
+    struct empanel_batch * batch = &pool->batch;
+    if (batch->inflight) {
         empanel_set_error(pool, "empanel: reads posted while others are in flight");
         return -1;
     }
@@ -183,144 +242,94 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     }
     uint64_t staged_per_expert;
     int32_t  max_chunks_per_expert;
-    expert_needs(reader, layer, t0, t1, &staged_per_expert, &max_chunks_per_expert);
+    expert_needs(&pool->reader, layer, t0, t1, &staged_per_expert, &max_chunks_per_expert);
     // (staging: plus a block to align its start)
     if (reserve(pool, n * (t1 - t0), n * max_chunks_per_expert, staged_per_expert * (uint64_t) n + EMPANEL_ALIGN) != 0) {
         empanel_set_error(pool, "empanel: out of memory for reading %d experts", n);
         return -1;
     }
 
-    uint8_t * staging = (uint8_t *) (uintptr_t) empanel_align_up((uint64_t) (uintptr_t) pool->staging);
-    const uint64_t batch = ++pool->n_batches_posted;
-    int32_t  n_jobs   = 0;
-    int32_t  n_chunks = 0;
-    uint64_t staged   = 0; // bytes of staging taken, a multiple of EMPANEL_ALIGN
-    uint64_t io_bytes = 0;
-    uint64_t bounced  = 0;
-    uint64_t payload  = 0;
-    int32_t n_landing[EMPANEL_MAX_TENSORS] = { 0 }; // tensor i's jobs that land through the readers
+    struct batch_plan bp = {
+        .staging = (uint8_t *) (uintptr_t) empanel_align_up((uint64_t) (uintptr_t) batch->staging),
+        .stamp   = ++batch->n_posted,
+    };
     const int32_t n_t = t1 - t0;
     for (int32_t q = 0; q < n_t * n; q++) { // tensor after tensor, or (by_expert) expert after expert
         const int32_t k = by_expert ? q % n_t : q / n;
         const int32_t m = by_expert ? q / n_t : q % n;
         const int32_t i = order != NULL ? order[k] : t0 + k;
-        struct empanel_tensor * t = &layer->tensors[i];
-        pool->inflight_chunk_end[i] = n_chunks; // (tensor after tensor: up to its last chunk)
-        if (remote_by_hash(layer, t, experts[m], slots[m])) {
-            t->held[slots[m]] = experts[m]; // in place, nothing to read
-            continue;
-        }
-        struct empanel_read_job * job = &pool->jobs[n_jobs];
-        job->tensor  = t;
-        job->expert  = experts[m];
-        job->slot    = slots[m];
-        job->dst     = empanel_slot_data(t->pool, slots[m]);
-        job->convert = 0;
-        job->remote_hash = 0;
-        job->landed  = 0;
-        atomic_store(&job->dropped, 0);
-        atomic_store(&job->skipped, 0);
-        const int to_staging = !t->direct || job->dst == NULL;
-        int tier_hit = 0;
-        uint8_t * tier = empanel_host_cache_get(pool, layer, i, experts[m], batch, &tier_hit);
-        job->tier = tier == NULL ? 0 : tier_hit ? 2 : 1;
-        if (tier != NULL) { // device pools with a host tier: read into the entry, written from it
-            job->dst     = tier;
-            job->convert = 2;
-        } else if (to_staging) { // the window's room, the payload at its phase in the file
-            job->dst     = empanel_window_payload(staging + staged, t, experts[m]);
-            job->convert = t->host != NULL ? 1 : 2;
-            staged      += empanel_window_bytes(t);
-        }
-        t->held[slots[m]] = -1; // being written
-        if (job->tier == 2) { // written from the tier at the finish, nothing to read
-            atomic_store(&job->chunks_left, 0);
-            job->verify_ns = 0;
-            job->landed    = 1;
-            n_jobs++;
-            continue;
-        }
-        n_chunks += plan_chunks(reader, job, n_jobs, to_staging || tier != NULL, pool->chunks + n_chunks,
-                                &io_bytes, &bounced);
-        payload  += t->expert_size;
-        n_jobs++;
-        n_landing[i]++;
-        pool->inflight_chunk_end[i] = n_chunks;
+        bp.chunk_end[i] = bp.n_chunks; // (tensor after tensor: up to its last chunk)
+        plan_job(pool, layer, i, experts[m], slots[m], &bp);
     }
-    for (int32_t i = t0; i < t1; i++) {
-        atomic_store(&pool->inflight_left[i], n_landing[i]);
-    }
-
-    pool->inflight          = 1;
-    pool->inflight_ready    = order != NULL;
-    pool->inflight_dropped  = 0;
-    pool->inflight_ahead    = by_expert && reader->drop_ahead;
-    pool->inflight_layer    = layer;
-    pool->inflight_jobs     = n_jobs;
-    pool->inflight_chunks   = n_chunks;
-    pool->inflight_payload  = payload;
-    pool->inflight_io_bytes = io_bytes;
-    pool->inflight_bounce_bytes = bounced;
-    pool->inflight_t0       = empanel_now_ns();
-    empanel_reader_post(pool, pool->jobs, pool->chunks, n_chunks);
+    batch->inflight     = 1;
+    batch->dropped      = 0;
+    batch->ahead        = by_expert && pool->reader.drop_ahead;
+    batch->layer        = layer;
+    batch->n_jobs       = bp.n_jobs;
+    batch->n_chunks     = bp.n_chunks;
+    batch->payload      = bp.payload;
+    batch->io_bytes     = bp.io_bytes;
+    batch->bounce_bytes = bp.bounced;
+    batch->t0           = empanel_now_ns();
+    empanel_reader_post(pool, batch->jobs, batch->chunks, bp.n_chunks, layer, order != NULL, bp.n_landing, bp.chunk_end);
     return 0;
 }
 
-int empanel_read_post(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
+int empanel_batch_post(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
                       const int32_t * experts, const int32_t * slots, int32_t n) {
     return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n, NULL, 0) : 0;
 }
 
-int empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
+int empanel_batch_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                             const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order) {
     return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, order, 0) : 0;
 }
 
-int empanel_read_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
+int empanel_batch_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
                             const int32_t * experts, const int32_t * slots, int32_t n) {
     return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, NULL, 1) : 0;
 }
 
-void empanel_read_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
+void empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
                        uint64_t stamp) {
-    if (!pool->inflight || !pool->inflight_ahead || pool->inflight_layer != layer) {
+    if (!pool->batch.inflight || !pool->batch.ahead || pool->batch.layer != layer) {
         return;
     }
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        struct empanel_read_job * job = &pool->jobs[j];
+    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
+        struct empanel_read_job * job = &pool->batch.jobs[j];
         if (slot_mark[job->slot] != stamp && job->tier == 0) { // (a host-tier entry must be whole)
             atomic_store(&job->dropped, 1);
-            pool->inflight_dropped = 1;
+            pool->batch.dropped = 1;
         }
     }
 }
 
-// the finished batch had experts dropped (empanel_read_drop): those that did not land whole hold
+// the finished batch had experts dropped (empanel_batch_drop): those that did not land whole hold
 // nothing (their slots are emptied by the remap's reconcile), what was read of them is wasted
 static void account_dropped(struct empanel_pool * pool, struct empanel_layer * layer) {
-    const uint64_t stamp = ++layer->wave_stamp; // slots whose expert did not land whole
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        const struct empanel_read_job * job = &pool->jobs[j];
+    const uint64_t stamp = ++layer->tables.mark_stamp; // slots whose expert did not land whole
+    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
+        const struct empanel_read_job * job = &pool->batch.jobs[j];
         if (atomic_load(&job->dropped) && !job->landed) {
-            layer->wave_mark[job->slot] = stamp;
+            layer->tables.slot_mark[job->slot] = stamp;
         }
     }
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        const struct empanel_read_job * job = &pool->jobs[j];
-        if (layer->wave_mark[job->slot] == stamp) {
+    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
+        const struct empanel_read_job * job = &pool->batch.jobs[j];
+        if (layer->tables.slot_mark[job->slot] == stamp) {
             layer->stats.prefetch_wasted += job->tensor->expert_size - atomic_load(&job->skipped);
         }
     }
     for (int32_t s = 0; s < layer->n_slots; s++) {
-        if (layer->wave_mark[s] == stamp) {
+        if (layer->tables.slot_mark[s] == stamp) {
             layer->stats.prefetch_dropped++;
-            layer->prefetch_mark[s] = 0; // accounted here, not as a whole expert wasted
+            layer->guess.prefetch_mark[s] = 0; // accounted here, not as a whole expert wasted
         }
     }
 }
 
-int empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor) {
-    if (!pool->inflight || !pool->inflight_ready || pool->inflight_layer != layer) {
+int empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor) {
+    if (!pool->batch.inflight || !pool->reader.by_tensor || pool->batch.layer != layer) {
         return 0; // its reads are done (or were never posted so)
     }
     const uint64_t t0 = empanel_now_ns();
@@ -331,24 +340,23 @@ int empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * 
     return rc;
 }
 
-int empanel_read_finish(struct empanel_pool * pool) {
-    if (!pool->inflight) {
+int empanel_batch_finish(struct empanel_pool * pool) {
+    if (!pool->batch.inflight) {
         return 0;
     }
-    const uint64_t t0 = empanel_now_ns();
+    const int      ready = pool->reader.by_tensor; // (empanel_reader_finish clears it)
+    const uint64_t t0    = empanel_now_ns();
     empanel_reader_finish(pool);
     const uint64_t t1 = empanel_now_ns();
-    const int ready = pool->inflight_ready;
-    pool->inflight       = 0;
-    pool->inflight_ready = 0;
+    pool->batch.inflight = 0;
 
-    struct empanel_layer * layer = pool->inflight_layer;
+    struct empanel_layer * layer = pool->batch.layer;
     if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
         empanel_host_cache_batch_landed(pool, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        const struct empanel_read_job * job = &pool->jobs[j];
+    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
+        const struct empanel_read_job * job = &pool->batch.jobs[j];
         if (job->convert != 2 || !job->landed) {
             continue;
         }
@@ -357,7 +365,7 @@ int empanel_read_finish(struct empanel_pool * pool) {
             if (remote_write_job(pool, layer, job) != 0) {
                 return -1;
             }
-        } else if (empanel_read_convert(pool, job) != 0) {
+        } else if (empanel_reader_convert(pool, job) != 0) {
             empanel_host_cache_batch_landed(pool, 0);
             return -1;
         } else {
@@ -375,10 +383,10 @@ int empanel_read_finish(struct empanel_pool * pool) {
         return -1; // written to while we read: the bytes may be torn
     }
     empanel_host_cache_batch_landed(pool, 1); // the host tier's entries hold what was read
-    layer->reads_open = ready ? 0 : layer->reads_open; // its tables hold from now on
+    layer->ready.reads_open = ready ? 0 : layer->ready.reads_open; // its tables hold from now on
     uint64_t skipped = 0; // payload of dropped read-ahead not read
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        const struct empanel_read_job * job = &pool->jobs[j];
+    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
+        const struct empanel_read_job * job = &pool->batch.jobs[j];
         skipped += atomic_load(&job->skipped);
         if (!job->landed) {
             continue; // dropped: its slot stays marked as holding nothing
@@ -389,22 +397,22 @@ int empanel_read_finish(struct empanel_pool * pool) {
             layer->stats.verify_ns += job->verify_ns;
         }
     }
-    const uint64_t done = pool->reader.done_ns > pool->inflight_t0 ? pool->reader.done_ns : t1;
-    layer->stats.read_ns    += (done < t1 ? done : t1) - pool->inflight_t0;
+    const uint64_t done = pool->reader.done_ns > pool->batch.t0 ? pool->reader.done_ns : t1;
+    layer->stats.read_ns    += (done < t1 ? done : t1) - pool->batch.t0;
     layer->stats.wait_ns    += t1 - t0;
     layer->stats.write_ns   += empanel_now_ns() - t1;
-    if (pool->inflight_dropped) {
+    if (pool->batch.dropped) {
         account_dropped(pool, layer);
     }
-    layer->stats.bytes_read += pool->inflight_payload - skipped;
-    layer->stats.io_bytes   += pool->inflight_io_bytes - atomic_load(&pool->reader.skipped_io);
-    layer->stats.bounce_bytes += pool->inflight_bounce_bytes - atomic_load(&pool->reader.skipped_bounce);
+    layer->stats.bytes_read += pool->batch.payload - skipped;
+    layer->stats.io_bytes   += pool->batch.io_bytes - atomic_load(&pool->reader.skipped_io);
+    layer->stats.bounce_bytes += pool->batch.bounce_bytes - atomic_load(&pool->reader.skipped_bounce);
     layer->stats.read_cpu_ns  += atomic_load(&pool->reader.cpu_ns);
-    layer->stats.n_reads    += (uint64_t) pool->inflight_chunks;
+    layer->stats.n_reads    += (uint64_t) pool->batch.n_chunks;
     return 0;
 }
 
-int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
+int empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
                          const int32_t * misses, const int32_t * slots, int32_t n_misses) {
     // a group of misses fits in the staging
     uint64_t staged_per_expert;
@@ -418,9 +426,42 @@ int empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * laye
     for (int32_t g0 = 0; g0 < n_misses; g0 += group) {
         const int32_t n = g0 + group < n_misses ? group : n_misses - g0;
         if (post_batch(pool, layer, 0, layer->n_tensors, misses + g0, slots + g0, n, NULL, 0) != 0 ||
-            empanel_read_finish(pool) != 0) {
+            empanel_batch_finish(pool) != 0) {
             return -1;
         }
     }
     return 0;
+}
+
+// read experts layer->tables.misses[0, n) into the claimed, empty slots layer->tables.victims[0, n) and make
+// them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
+int empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    if (!pool->lab && empanel_batch_read(pool, layer, layer->tables.misses, layer->tables.victims, n) != 0) {
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            pool->glru.resident_bytes -= (uint64_t) n * layer->expert_bytes;
+        }
+        return -1;
+    }
+    empanel_slots_hold_misses(pool, layer, n);
+    return 0;
+}
+
+// a read-ahead of this layer still in flight: the guessed experts the micro-batch does not route
+// to are read no further (their slots are emptied by the reconcile that follows)
+void empanel_batch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
+                                 int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
+    if (!pool->batch.inflight || !pool->batch.ahead || pool->batch.layer != layer) {
+        return;
+    }
+    const uint64_t stamp = ++layer->tables.mark_stamp; // slots of the experts routed to
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = row[j];
+            if (e >= 0 && e < pool->n_expert && layer->tables.slot_of[e] >= 0) {
+                layer->tables.slot_mark[layer->tables.slot_of[e]] = stamp;
+            }
+        }
+    }
+    empanel_batch_drop(pool, layer, layer->tables.slot_mark, stamp);
 }

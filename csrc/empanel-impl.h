@@ -5,7 +5,7 @@
 // host_cache.c, preload.c, rpc.c, plan_file.c, load.c, backend.c; util.c: errors, clock, digest)
 
 #include "empanel.h"
-#include "llama-empanel.h"
+#include "llama-empanel-shared.h" // what libllama and the sidecar share; only load.c calls libllama
 
 #include <limits.h>
 #include <pthread.h>
@@ -41,6 +41,73 @@ struct empanel_tensor {
     uint8_t  * remote_sent;    // [n_expert] 1: sent to the host with the cache flag by this process
 };
 
+// Every field below is guarded by the pool's lock (struct empanel_pool.lock) and written by the
+// unit named in its struct's comment; reader threads never read a layer's tables.
+
+// the slot tables (slots.c; remap.c, guess.c, preload.c and batch.c change them only through it,
+// or fill its scratch arrays)
+struct empanel_tables {
+    int32_t  * slot_of;     // [n_expert] slot holding the expert, or -1
+    int32_t  * expert_in;   // [n_slots]  expert held by the slot, or -1
+    uint64_t * last_use;    // [n_slots]  remap call that last used the slot (LRU)
+    uint64_t * call_mark;   // [n_slots]  remap call that uses the slot now (never evicted in it)
+    uint64_t * miss_mark;   // [n_expert] remap call that listed the expert as distinct
+    uint32_t * uses;        // [n_slots]  LFU counts (halved every n_slots remaps)
+    uint64_t   n_batches;   // micro-batches remapped: the LFU decay clock (stats resets leave it)
+    uint64_t * slot_mark;   // [n_slots]  stamp that marked the slot: a wave's claim while planning, a
+                            //            guess's resident experts, a read-ahead's routed ones
+    uint64_t   mark_stamp;  // stamps so far
+    // scratch of one call
+    int32_t  * misses;      // [n_expert] the current call's misses
+    int32_t  * victims;     // [n_expert] the slots they go to
+    int32_t  * distinct;    // [n_expert] the micro-batch's distinct experts (or a guess's)
+    uint64_t * order_key;   // [n_expert] misses by last use in the micro-batch, then id
+};
+
+// the waves of the current micro-batch (remap.c: remap calls with a pool tensor); the tables
+// already say where every expert is at the end of it
+struct empanel_waves {
+    int        open;        // some tensor has waves of this plan still to run
+    int32_t    n;           // waves the plan fills (the graph may run more, empty ones)
+    int32_t    n_graph;     // waves the graph runs
+    int32_t    next[EMPANEL_MAX_TENSORS]; // next wave of each tensor
+    int32_t  * wave_of;     // [n_expert] wave of each expert of the micro-batch, else -1
+    int32_t  * slot_of;     // [n_expert] the slot it is in during its wave
+    int32_t  * order;       // [n_expert] the micro-batch's experts, wave by wave
+    int32_t  * begin;       // [n_expert + 2] index in order of each wave's first
+    int32_t  * ids;         // [ids_cap] the micro-batch's expert ids (its calls' key)
+    int64_t    n_ids;
+    int64_t    ids_cap;
+};
+
+// the gate-ahead guess for this layer's next micro-batch and its read-ahead (guess.c; slots.c
+// accounts for it when the remap spends it)
+struct empanel_guess_state {
+    uint64_t * mark;          // [n_expert] guess stamp that named the expert
+    uint64_t   stamp;         // guesses so far
+    int        live;          // a guess waits for the next remap (which evicts its experts last)
+    int32_t    n;             // distinct experts the live guess names (in tables.distinct)
+    uint64_t * prefetch_mark; // [n_slots] 1: read ahead for the next micro-batch, not yet accounted
+    int        prefetch_open; // read-ahead slots whose tables are set before their bytes land
+};
+
+// reads that overlap the compute (ready.c, remap.c): the remap posts a micro-batch's misses and
+// returns; each pool's MUL_MAT_ID waits for its own tensor's reads first
+struct empanel_ready_state {
+    uint32_t   seen;        // bit i: tensor i's ready call came since the layer's last remap
+    int32_t    next;        // ready calls since then
+    int32_t    rank[EMPANEL_MAX_TENSORS]; // order of the tensors' ready calls: the graph's
+    int        armed;       // every tensor's MUL_MAT_ID waits for its reads (seen last time)
+    int        reads_open;  // misses posted, tables set before their bytes land
+};
+
+// what preload takes first (preload.c: empanel_pool_preload_order)
+struct empanel_preload {
+    int32_t  * order;       // [n_order] experts, the first first
+    uint32_t * uses;        // [n_order] their starting LFU counts, or NULL
+    int32_t    n_order;
+};
+
 struct empanel_layer {
     int32_t  n_slots;       // 0: not paged
     int      observe;       // not paged, but its routing is traced
@@ -51,55 +118,20 @@ struct empanel_layer {
     int32_t  lru_base;      // g-lru: entry of slot 0 in the pool's LRU list
     struct empanel_tensor tensors[EMPANEL_MAX_TENSORS];
 
-    int32_t  * slot_of;     // [n_expert] slot holding the expert, or -1
-    int32_t  * expert_in;   // [n_slots]  expert held by the slot, or -1
-    uint64_t * last_use;    // [n_slots]  remap call that last used the slot (LRU)
-    uint64_t * call_mark;   // [n_slots]  remap call that uses the slot now (never evicted in it)
-    uint64_t * miss_mark;   // [n_expert] remap call that listed the expert as a miss
-    int32_t  * misses;      // [n_expert] scratch: the current call's misses
-    int32_t  * victims;     // [n_expert] scratch: the slots they go to
-    uint32_t * uses;        // [n_slots]  LFU counts (halved every n_slots remaps)
-    uint64_t   n_batches;   // micro-batches remapped: the LFU decay clock (stats resets leave it)
-    int32_t  * preload_order;   // [n_preload_order] experts preload takes first (empanel_pool_preload_order)
-    uint32_t * preload_uses;    // [n_preload_order] their starting LFU counts, or NULL
-    int32_t    n_preload_order;
-    int32_t  * distinct;    // [n_expert] scratch: the micro-batch's distinct experts
-    uint64_t * wave_mark;   // [n_slots]  wave (stamp) that claimed the slot while planning
-    uint64_t * order_key;   // [n_expert] scratch: misses by last use in the micro-batch, then id
-    uint64_t   wave_stamp;  // waves planned so far
-
-    // the gate-ahead guess for this layer's next micro-batch (empanel_guess)
-    uint64_t * guess_mark;     // [n_expert] guess stamp that named the expert
-    uint64_t   guess_stamp;    // guesses so far
-    int        guess_live;     // a guess waits for the next remap (which evicts its experts last)
-    uint64_t * prefetch_mark;  // [n_slots] 1: read ahead for the next micro-batch, not yet accounted
-    int32_t    guess_n;        // distinct experts the live guess names
-    int        prefetch_open;  // read-ahead slots whose tables are set before their bytes land
-
-    // reads that overlap the compute (empanel_ready): the remap posts a micro-batch's misses and
-    // returns; each pool's MUL_MAT_ID waits for its own tensor's reads first
-    uint32_t   ready_seen;     // bit i: tensor i's ready call came since the layer's last remap
-    int32_t    ready_next;     // ready calls since then
-    int32_t    ready_rank[EMPANEL_MAX_TENSORS]; // order of the tensors' ready calls: the graph's
-    int        ready_armed;    // every tensor's MUL_MAT_ID waits for its reads (seen last time)
-    int        reads_open;     // misses posted, tables set before their bytes land
-
-    // the waves of the current micro-batch (remap calls with a pool tensor); expert_in/slot_of
-    // already say where every expert is at the end of it
-    int        plan_open;           // some tensor has waves of this plan still to run
-    int32_t    plan_waves;          // waves the plan fills (the graph may run more, empty ones)
-    int32_t    plan_graph_waves;    // waves the graph runs
-    int32_t    plan_next[EMPANEL_MAX_TENSORS]; // next wave of each tensor
-    int32_t  * plan_wave;           // [n_expert] wave of each expert of the micro-batch, else -1
-    int32_t  * plan_slot;           // [n_expert] the slot it is in during its wave
-    int32_t  * plan_order;          // [n_expert] the micro-batch's experts, wave by wave
-    int32_t  * plan_begin;          // [n_expert + 2] index in plan_order of each wave's first
-    int32_t  * plan_ids;            // [plan_ids_cap] the micro-batch's expert ids (its calls' key)
-    int64_t    plan_n_ids;
-    int64_t    plan_ids_cap;
+    struct empanel_tables      tables;
+    struct empanel_waves       waves;
+    struct empanel_guess_state guess;
+    struct empanel_ready_state ready;
+    struct empanel_preload     preload;
 
     struct empanel_layer_stats stats;
 };
+
+// a plan, a read-ahead or overlapped reads of the layer left tables set before their bytes
+// landed: the next remap of the layer (or a recovery) reconciles them with what the slots hold
+static inline int empanel_layer_open(const struct empanel_layer * layer) {
+    return layer->waves.open || layer->guess.prefetch_open || layer->ready.reads_open;
+}
 
 // a file of the model (one per shard), as it was when the pool was made
 struct empanel_file {
@@ -124,7 +156,7 @@ struct empanel_read_job {
                             // 2 its entry holds the bytes already: nothing to read (a host hit)
     atomic_int chunks_left;
     atomic_int dropped;     // a read-ahead its layer's remap did not route: chunks not yet taken are
-                            // skipped (empanel_read_drop)
+                            // skipped (empanel_batch_drop)
     int        landed;      // every byte read (and checked, converted): set by the landing thread
     atomic_ullong skipped;  // payload bytes of its chunks skipped (dropped)
     uint64_t   verify_ns;   // time its thread took to hash it (moe_verify)
@@ -184,7 +216,13 @@ struct empanel_reader {
     int             stop;
     uint64_t        done_ns;      // when the last chunk of the batch finished
 
+    // the batch posted (empanel_reader_post, under mutex; cleared by empanel_reader_finish), which
+    // the threads read
     struct empanel_pool        * pool;
+    int                          by_tensor;    // its tensors are waited for one by one (empanel_ready)
+    const struct empanel_tensor * tensors;     // its layer's tensors
+    atomic_int                   tensor_left[EMPANEL_MAX_TENSORS];      // jobs of tensor i not landed
+    int32_t                      tensor_chunk_end[EMPANEL_MAX_TENSORS]; // chunks up to tensor i's last
     struct empanel_read_job    * jobs;
     const struct empanel_chunk * chunks;
     int32_t                      n_chunks;
@@ -193,9 +231,66 @@ struct empanel_reader {
     atomic_int                   busy;   // threads working on the batch
     atomic_int                   batch_failed; // a chunk of this batch failed or was skipped
     atomic_ullong                cpu_ns; // CPU time the threads spent on this batch
-    atomic_ullong                skipped_io;     // file bytes of dropped chunks not read (empanel_read_drop)
+    atomic_ullong                skipped_io;     // file bytes of dropped chunks not read (empanel_batch_drop)
     atomic_ullong                skipped_bounce; // payload of those that would have been copied
 };
+// g-lru (slots.c): every resident (layer, slot) in one list, least recently used first, and the
+// budget of resident bytes over all layers. Guarded by the pool's lock
+struct empanel_glru {
+    uint64_t  budget_bytes;
+    uint64_t  resident_bytes;
+    int32_t   n_entries;     // slots of all layers
+    int32_t * prev;          // [n_entries]
+    int32_t * next;          // [n_entries]
+    int32_t * entry_layer;   // [n_entries]
+    int32_t   head;          // least recent, -1 if empty
+    int32_t   tail;          // most recent
+};
+
+// the routing trace (trace.c, empanel_trace_enable): records [il, n_tokens, n_used, ids].
+// Guarded by the pool's lock
+struct empanel_trace {
+    int       on;
+    int32_t * records;       // [cap]
+    uint64_t  len;
+    uint64_t  cap;
+};
+
+// failpoint for tests (reader.c): read requests from the after-th on fail with EIO (0: never),
+// count of them (0: all); set from EMPANEL_FAULT_READ_AFTER / _COUNT at init
+struct empanel_fault {
+    int64_t      after;
+    int64_t      count;
+    atomic_llong n_requests;
+};
+
+// the batch of reads in flight (batch.c; posted, not finished: at most one) and the scratch it
+// is planned in. Guarded by the pool's lock; the reader threads read only what the reader's own
+// struct holds (empanel_reader_post)
+struct empanel_batch {
+    struct empanel_read_job * jobs;          // [jobs_cap]
+    int32_t                   jobs_cap;
+    struct empanel_chunk    * chunks;        // [chunks_cap]
+    int32_t                   chunks_cap;
+    uint8_t                 * staging;       // [staging_size] for non-direct pools: pinned host memory of a
+                                             // device pool's device, if any
+    uint64_t                  staging_size;
+    void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
+    void                    * staging_buffer; // the backend buffer of pinned staging
+    uint64_t                  n_posted;      // batches so far: the host tier's batch stamp
+
+    int                       inflight;      // a batch is posted and not finished
+    int                       ahead;         // a read-ahead whose unrouted experts may be dropped
+    int                       dropped;       // some of its read-ahead was dropped (empanel_batch_drop)
+    struct empanel_layer    * layer;
+    int32_t                   n_jobs;
+    int32_t                   n_chunks;
+    uint64_t                  payload;       // bytes of the experts it reads
+    uint64_t                  io_bytes;      // bytes of the file it reads (O_DIRECT windows)
+    uint64_t                  bounce_bytes;  // payload copied out of bounce buffers
+    uint64_t                  t0;            // when it was posted (ns)
+};
+
 struct empanel_pool {
     pthread_mutex_t lock;   // one remap at a time
     int32_t n_layer;
@@ -215,65 +310,25 @@ struct empanel_pool {
     float     subst_ratio;  // routing substitution: a stand-in's share of the missing expert's score; 0: off
     struct empanel_reader reader;
     struct empanel_host_cache host_cache;
-    uint64_t  n_batches_posted; // read batches so far: the host tier's batch stamp
-
-    // scratch of one remap: jobs, chunks, staging for non-direct pools
-    struct empanel_read_job * jobs;
-    int32_t                   jobs_cap;
-    struct empanel_chunk    * chunks;
-    int32_t                   chunks_cap;
-    uint8_t                 * staging;       // pinned host memory of a device pool's device, if any
-    uint64_t                  staging_size;
-    void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
-    void                    * staging_buffer; // the backend buffer of pinned staging
 
     // a read-ahead that found the reader busy with a layer's overlapped reads (empanel_ready):
-    // posted once they are done (empanel_guess_post_deferred), dropped by the next remap
-    struct empanel_layer    * deferred_guess;  // its live guess (layer->distinct, guess_n) is read ahead
+    // posted once they are done (empanel_guess_post_deferred), dropped by the next remap (guess.c)
+    struct empanel_layer    * deferred_guess;  // its live guess (tables.distinct, guess.n) is read ahead
 
-    // the batch of reads in flight (posted, not finished): at most one
-    int                       inflight;
-    int                       inflight_ready;  // its tensors are waited for one by one (empanel_ready)
-    int                       inflight_ahead;  // a read-ahead whose unrouted experts may be dropped
-    int                       inflight_dropped; // some of its read-ahead was dropped (empanel_read_drop)
-    atomic_int                inflight_left[EMPANEL_MAX_TENSORS];      // jobs of tensor i not landed
-    int32_t                   inflight_chunk_end[EMPANEL_MAX_TENSORS]; // chunks up to tensor i's last
-    struct empanel_layer    * inflight_layer;
-    int32_t                   inflight_jobs;
-    int32_t                   inflight_chunks;
-    uint64_t                  inflight_payload;
-    uint64_t                  inflight_io_bytes;
-    uint64_t                  inflight_bounce_bytes;
-    uint64_t                  inflight_t0;
+    struct empanel_batch      batch;
 
     char notice[256];
 
     uint64_t call;          // remap calls so far: the LRU clock
 
-    // g-lru: every resident (layer, slot) in one list, least recently used first
-    uint64_t  budget_bytes;
-    uint64_t  resident_bytes;
-    int32_t   n_entries;     // slots of all layers
-    int32_t * lru_prev;      // [n_entries]
-    int32_t * lru_next;      // [n_entries]
-    int32_t * entry_layer;   // [n_entries]
-    int32_t   lru_head;      // least recent, -1 if empty
-    int32_t   lru_tail;      // most recent
-
-    int       tracing;
-    int32_t * trace;         // see empanel_trace_enable
-    uint64_t  trace_len;
-    uint64_t  trace_cap;
+    struct empanel_glru  glru;   // slots.c
+    struct empanel_trace trace;  // trace.c
 
     atomic_int failed;         // 1: error holds the first failure (set once it is written)
     atomic_int error_claimed;  // 1: a thread took the first failure and writes error (util.c)
     char       error[512];
 
-    // failpoint for tests: read requests from the fault_after-th on fail with EIO (0: never),
-    // fault_count of them (0: all); set from EMPANEL_FAULT_READ_AFTER / _COUNT at init
-    int64_t     fault_after;
-    int64_t     fault_count;
-    atomic_llong n_requests;
+    struct empanel_fault fault;  // reader.c
 };
 
 // util.c: errors, clock, digest (empanel_hash64 in empanel.h)
@@ -285,33 +340,64 @@ void     empanel_format_err(char * err, size_t err_size, const char * fmt, ...);
 uint64_t empanel_now_ns(void);
 uint64_t empanel_thread_cpu_ns(void); // CPU time of the calling thread
 
-// pool.c
+// pool.c: after the model is loaded, the pool tensor llama.cpp made for the expert tensor of
+// GGUF name `name` (info NULL: it made none). 0, or -1 (reason in empanel_pool_error)
+int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const struct llama_empanel_pool_info * info);
+
+// slots.c: the slot tables (no I/O)
+// the slot in [begin, end) to evict, among those whose mark is not `taken` (-1 if none)
+int32_t empanel_slots_pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
+                                  const uint64_t * mark, uint64_t taken);
+// slot s is used by `call` (LRU clock, LFU count)
+void    empanel_slots_note_use(struct empanel_layer * layer, int32_t s, uint64_t call);
+// a hit: the expert in slot s stays where it is, and is used by `call`
+void    empanel_slots_use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call);
+// claim slot s for an expert that comes: its expert leaves (g-lru: an empty slot takes room in
+// the budget from the least recent expert of any layer)
+void    empanel_slots_claim(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call);
+// expert e takes slot s (claimed for `call`): the tables say it is there from now on, its bytes
+// come with the reads that follow
+void    empanel_slots_place(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call);
+// the tables say that experts tables.misses[0, n) are in slots tables.victims[0, n)
+void    empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);
+// misses[0, n) -> victims[0, n) reordered by expert id (reads in file order)
+void    empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n);
+// one micro-batch done in n_waves waves: the decay clock ticks (the layer's own, not its statistics)
+void    empanel_slots_end_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n_waves);
 // slot `slot` of the layer holds nothing: host pools give its pages back
-void empanel_slot_release(struct empanel_layer * layer, int32_t slot);
-// g-lru: take expert entry e out of the recency list / put it at the recent end
-void empanel_lru_unlink(struct empanel_pool * pool, int32_t e);
-void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e);
+void    empanel_slots_release(struct empanel_layer * layer, int32_t slot);
 // slot s stops holding what a read-ahead put there before its micro-batch came: wasted bytes
-void empanel_prefetch_drop(struct empanel_layer * layer, int32_t s);
-// guess.c: a read-ahead of this layer still in flight reads none of the guessed experts that the
-// micro-batch's expert ids [n_used, n_tokens] do not route to (empanel_read_drop)
-void empanel_prefetch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
-                                    int64_t ids_row_stride, int32_t n_used, int32_t n_tokens);
+void    empanel_slots_drop_prefetch(struct empanel_layer * layer, int32_t s);
+// the live guess of a layer is spent by the remap of its n distinct experts (in tables.distinct)
+// for `call`: recall and read-ahead accounted
+void    empanel_slots_close_guess(struct empanel_layer * layer, int32_t n, uint64_t call);
+// a plan, read-ahead or overlapped reads that did not run to their end (a failure, an aborted
+// graph): slots whose tensors do not all hold the expert the tables say are emptied
+void    empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * layer);
+// g-lru: take expert entry e out of the recency list / put it at the recent end
+void    empanel_lru_unlink(struct empanel_pool * pool, int32_t e);
+void    empanel_lru_push_recent(struct empanel_pool * pool, int32_t e);
 // g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
 // bytes fit in the budget
-void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
+void    empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
+int     empanel_compare_uint64(const void * a, const void * b);
+
+// trace.c: append a routing record [il, n_tokens, n_used, ids] to the trace; 0 or -1
+int     empanel_trace_call(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
+                           int64_t ids_row_stride, int32_t n_used, int32_t n_tokens);
 
 // backend.c: pool tensors through ggml's public backend API
-// a pool tensor's slots (ne[2], -1 if it is not [ne0, ne1, n_slots]) and the bytes between two (nb[2])
-void    empanel_pool_tensor_shape(void * pool_tensor, int64_t * n_slots, uint64_t * slot_bytes);
 // the memory of a pool in host memory of any layout (plain or CPU_REPACK), else NULL; slot s takes
 // bytes [s*nb[2], (s+1)*nb[2])
 void *  empanel_pool_host_data(void * pool_tensor);
 // host memory to stage reads bound for a device pool: pinned memory of its device (its host buffer
 // type), or plain memory where it has none; *buffer gets the backend buffer to release. NULL if
 // out of memory
-void *  empanel_staging_alloc(void * pool_tensor, size_t size, void ** buffer);
-void    empanel_staging_release(void * buffer);
+void *  empanel_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer);
+void    empanel_host_buffer_free(void * buffer);
+// give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
+// also zero the bytes of the partial pages at both ends
+void    empanel_memory_release(uint8_t * ptr, uint64_t size, int zero_edges);
 // one expert's bytes as stored in the GGUF (nb[2] bytes) into slot `slot`: copied, repacked
 // (CPU_REPACK) or sent to the device; 0 on success
 int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);
@@ -330,27 +416,8 @@ int      empanel_rpc_write_cached(void * pool_tensor, int32_t slot, const void *
 // expert e in slot e; 0, or -1 with the reason in err
 int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err_size);
 
-// remap.c: the remap's steps that preload.c and guess.c share
-// the slot in [begin, end) to evict, among those whose mark is not `taken` (-1 if none)
-int32_t empanel_pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
-                            const uint64_t * mark, uint64_t taken);
-// slot s is used by `call` (LRU clock, LFU count)
-void    empanel_note_use(struct empanel_layer * layer, int32_t s, uint64_t call);
-// expert e takes slot s (claimed for `call`): the tables say it is there from now on
-void    empanel_place_expert(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call);
-// misses[0, n) -> victims[0, n) reordered by expert id (reads in file order)
-void    empanel_sort_file_order(struct empanel_layer * layer, int32_t n);
-// read misses[0, n) into the claimed, empty slots victims[0, n) and make them resident; 0 or -1
-int     empanel_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);
-// append a routing record [il, n_tokens, n_used, ids] to the trace; 0 or -1
-int     empanel_trace_call(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
-                           int64_t ids_row_stride, int32_t n_used, int32_t n_tokens);
-int     empanel_compare_uint64(const void * a, const void * b);
-
-// guess.c: the live guess of a layer is spent by the remap of its n distinct experts (in
-// layer->distinct) for `call`: recall and read-ahead accounted
-void    empanel_guess_close(struct empanel_layer * layer, int32_t n, uint64_t call);
-// the read-ahead a guess deferred while overlapped reads were in flight, posted now if it still can be
+// guess.c: the read-ahead a guess deferred while overlapped reads were in flight, posted now if it
+// still can be
 void    empanel_guess_post_deferred(struct empanel_pool * pool);
 
 // plan_file.c: a plan written down (empanel_gguf/plan_file.py; records described in plan_file.c)
@@ -417,45 +484,56 @@ void     empanel_reader_stop (struct empanel_pool * pool);
 // every chunk is done; wait until tensor ti's experts have landed (batches waited for tensor by
 // tensor; 0, or -1 if a read of the batch failed); staging -> slot (repack, or a copy to the
 // device: 0, or -1 with the error recorded)
+// (by_tensor: tensor i of the layer's jobs that land through the threads are n_landing[i], its
+// chunks end at chunk_end[i])
 void     empanel_reader_post       (struct empanel_pool * pool, struct empanel_read_job * jobs,
-                                    const struct empanel_chunk * chunks, int32_t n_chunks);
+                                    const struct empanel_chunk * chunks, int32_t n_chunks,
+                                    const struct empanel_layer * layer, int by_tensor, const int32_t * n_landing,
+                                    const int32_t * chunk_end);
 void     empanel_reader_finish     (struct empanel_pool * pool);
 int      empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti);
-int      empanel_read_convert      (struct empanel_pool * pool, const struct empanel_read_job * job);
+int      empanel_reader_convert      (struct empanel_pool * pool, const struct empanel_read_job * job);
 // read n_misses experts of a layer into their slots (misses[i] -> slots[i]), every tensor of the
 // layer; 0, or -1 with the error recorded
-int      empanel_read_experts(struct empanel_pool * pool, struct empanel_layer * layer,
+int      empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
                               const int32_t * misses, const int32_t * slots, int32_t n_misses);
 // start reading n experts of one tensor (index in layer->tensors) into their slots and return;
-// the batch is in flight until empanel_read_finish. 0, or -1 with the error recorded
-int      empanel_read_post   (struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
+// the batch is in flight until empanel_batch_finish. 0, or -1 with the error recorded
+int      empanel_batch_post   (struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
                               const int32_t * experts, const int32_t * slots, int32_t n);
 // start reading n experts of every tensor of a layer into their slots and return (as
-// empanel_read_post, all tensors at once); order: the tensors' indices in the order to read them,
-// each to be waited for on its own (empanel_read_wait_tensor), or NULL
-int      empanel_read_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
+// empanel_batch_post, all tensors at once); order: the tensors' indices in the order to read them,
+// each to be waited for on its own (empanel_batch_wait_tensor), or NULL
+int      empanel_batch_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n,
                                  const int32_t * order);
 // start reading ahead n guessed experts of a layer (experts[i] -> slots[i], every tensor): expert
-// after expert in the order given (the likeliest first), so that empanel_read_drop finds the
+// after expert in the order given (the likeliest first), so that empanel_batch_drop finds the
 // unlikeliest ones not yet read
-int      empanel_read_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
+int      empanel_batch_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n);
-// the batch in flight is a read-ahead (empanel_read_post_ahead) of `layer`, whose remap routes to
+// the batch in flight is a read-ahead (empanel_batch_post_ahead) of `layer`, whose remap routes to
 // the experts in the slots with slot_mark[s] == stamp: the other experts' chunks not yet taken are
-// skipped, and empanel_read_finish leaves their slots marked as holding nothing (reconcile empties
+// skipped, and empanel_batch_finish leaves their slots marked as holding nothing (reconcile empties
 // them). Bytes skipped count nowhere; bytes already read count as read and wasted; the experts
 // not landed whole count in stats.prefetch_dropped
-void     empanel_read_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
+void     empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
                            uint64_t stamp);
-// wait until the layer's batch in flight (empanel_read_post_layer with an order) has landed
+// wait until the layer's batch in flight (empanel_batch_post_layer with an order) has landed
 // the experts of one tensor, reading alongside the threads; 0 (also if no such batch is in
 // flight), or -1 if a read of the batch failed
-int      empanel_read_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
+int      empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
 // wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
 // is none or it succeeded, -1 if a read failed (its slots then hold nothing)
-int      empanel_read_finish (struct empanel_pool * pool);
-void     empanel_staging_free(struct empanel_pool * pool);
+int      empanel_batch_finish (struct empanel_pool * pool);
+// read experts tables.misses[0, n) into the claimed, empty slots tables.victims[0, n) and make
+// them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
+int      empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);
+// a read-ahead of this layer still in flight reads none of the guessed experts that the
+// micro-batch's expert ids [n_used, n_tokens] do not route to (empanel_batch_drop)
+void     empanel_batch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
+                                     int64_t ids_row_stride, int32_t n_used, int32_t n_tokens);
+void     empanel_batch_staging_free(struct empanel_pool * pool);
 // host_cache.c
 // the tier of moe_host_cache bytes for the pools in device memory (after every pool is bound); 0, or
 // -1 with the reason in err
@@ -482,7 +560,7 @@ static inline int32_t empanel_tensor_index(const struct empanel_layer * layer, c
 }
 // every tensor of the layer called its ready op since the layer's last remap
 static inline int empanel_ready_all_seen(const struct empanel_layer * layer) {
-    return layer->ready_seen == (1u << layer->n_tensors) - 1;
+    return layer->ready.seen == (1u << layer->n_tensors) - 1;
 }
 static inline uint64_t empanel_align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }
 static inline uint64_t empanel_align_up  (uint64_t x) { return (x + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN; }
@@ -500,4 +578,4 @@ static inline uint8_t * empanel_window_payload(uint8_t * room, const struct empa
 }
 // bytes of staging one expert of the tensor takes on its way to its slot: its window's room
 // (0 for plain host pools)
-uint64_t empanel_staged_bytes(const struct empanel_tensor * t);
+uint64_t empanel_batch_staged_bytes(const struct empanel_tensor * t);

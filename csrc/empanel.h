@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 10
+#define EMPANEL_SIDECAR_VERSION 11
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -141,10 +141,6 @@ EMPANEL_API struct empanel_pool * empanel_pool_init(
 
 EMPANEL_API void empanel_pool_free(struct empanel_pool * pool);
 
-// after the model is loaded: the pool tensor (a ggml_tensor * of libllama) for each expert
-// tensor, by the GGUF name given in its desc. Returns 0, or -1 (reason in empanel_pool_error).
-EMPANEL_API int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, void * pool_tensor);
-
 // the remap hook (llama_empanel_remap_fn): expert ids of one micro-batch -> slot ids, reading the
 // missing experts first. pool_tensor NULL: for all the layer's pools at once (the micro-batch fits
 // them); else wave `wave` of `n_waves` of that pool tensor: the micro-batch's distinct experts are
@@ -251,7 +247,8 @@ EMPANEL_API void empanel_stats_reset(struct empanel_pool * pool);
 
 EMPANEL_API int32_t empanel_sidecar_version(void);
 
-// devices llama.cpp can offload layers to (GPUs, and the devices of registered RPC servers)
+// devices llama.cpp can offload layers to: GPUs (llama_empanel_device_is_gpu) and the devices of
+// registered RPC servers
 EMPANEL_API int32_t empanel_offload_devices(void);
 // of those, the ones that share host memory (integrated GPUs, Apple's Metal): moe_host_cache's rule
 EMPANEL_API int32_t empanel_unified_devices(void);
@@ -321,14 +318,16 @@ EMPANEL_API void    empanel_load_close(struct empanel_load * load);
 // llama.cpp's programs (llama-server, llama-cli, llama-bench, llama-perplexity): `empanel-gguf
 // llama-server ...` writes the plan to a file and runs the program with EMPANEL_PLAN=<that file>;
 // libllama's program hook loads this library (the one next to it, or EMPANEL_SIDECAR) and calls
-// these around each model load (and empanel_load_pool, empanel_load_close): the steps above, with
-// the notices on stderr.
+// these around each model load (and empanel_load_pool): the steps above, with the notices on
+// stderr.
 // open: empanel_load_open of the file, then empanel_load_begin
 EMPANEL_API struct empanel_load * empanel_program_open(const char * plan_path, const char * model_path,
                                                        char * err, size_t err_size);
 // loaded: empanel_load_bind, then empanel_load_preload (reported on stderr). 0, or -1 (err)
 EMPANEL_API int32_t empanel_program_loaded(struct empanel_load * load, const struct llama_model * model,
                                            char * err, size_t err_size);
+// close: empanel_load_close, when the model is freed
+EMPANEL_API void    empanel_program_close(struct empanel_load * load);
 
 // Prometheus text (format 0.0.4) of every open load's pools into buf [size] (NUL-terminated,
 // truncated if it does not fit); returns the length of the whole text
@@ -345,7 +344,7 @@ EMPANEL_API void * empanel_slot_data(void * pool_tensor, int32_t slot);
 
 // the policy lab: a pool without files, tensors or reader threads, whose remap runs the very
 // policy code of the engine's pools but reads nothing. expert_bytes [n_layer]: bytes of one
-// expert of each layer (what g-lru's budget counts). Free it with empanel_pool_free.
+// expert of each layer (what g-lru's budget counts). Free it with empanel_lab_free.
 EMPANEL_API struct empanel_pool * empanel_lab_init(
         int32_t          policy,
         int32_t          n_layer,
@@ -355,6 +354,7 @@ EMPANEL_API struct empanel_pool * empanel_lab_init(
         uint64_t         budget_bytes,
         char           * err,
         size_t           err_size);
+EMPANEL_API void empanel_lab_free(struct empanel_pool * pool);
 
 // one remap call of layer il over a micro-batch's expert ids, expert_ids [n_tokens, n_used] (any
 // order and repeats), as the engine makes it: distinct experts beyond the layer's slots run in

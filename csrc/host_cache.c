@@ -52,7 +52,7 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
     hc->n_entries = (int32_t) n;
     // the block, aligned for O_DIRECT (a pinned buffer's base may not be)
     const uint64_t size = (uint64_t) hc->n_entries * hc->entry_bytes + EMPANEL_ALIGN;
-    hc->raw = empanel_staging_alloc(owner, size, &hc->buffer);
+    hc->raw = empanel_host_buffer_alloc(owner, size, &hc->buffer);
     if (hc->raw == NULL) { // the backend could not pin that much: plain host memory, copies a little slower
         hc->buffer = NULL;
         if (posix_memalign((void **) &hc->raw, EMPANEL_ALIGN, size) != 0) {
@@ -93,7 +93,7 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
 void empanel_host_cache_free(struct empanel_pool * pool) {
     struct empanel_host_cache * hc = &pool->host_cache;
     if (hc->buffer != NULL) {
-        empanel_staging_release(hc->buffer);
+        empanel_host_buffer_free(hc->buffer);
     } else {
         free(hc->raw);
     }
@@ -171,10 +171,10 @@ void empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_
 }
 
 void empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok) {
-    for (int32_t j = 0; j < pool->inflight_jobs; j++) {
-        const struct empanel_read_job * job = &pool->jobs[j];
+    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
+        const struct empanel_read_job * job = &pool->batch.jobs[j];
         if (job->tier == 1) {
-            const struct empanel_layer * layer = pool->inflight_layer;
+            const struct empanel_layer * layer = pool->batch.layer;
             empanel_host_cache_landed(pool, layer, (int32_t) (job->tensor - layer->tensors), job->expert, ok);
         }
     }

@@ -137,7 +137,8 @@ int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model *
         size_t used = 0;
         int32_t n_missing = 0;
         for (int32_t i = 0; i < load->plan.n_tensors; i++) {
-            if (llama_empanel_pool(model, load->plan.tensor_names[i]) != NULL) {
+            struct llama_empanel_pool_info info;
+            if (llama_empanel_pool_info(model, load->plan.tensor_names[i], &info)) {
                 continue;
             }
             if (n_missing++ < 4 && used + 2 < sizeof(missing)) {
@@ -171,12 +172,13 @@ int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model *
     }
     load->n_masked = 0;
     for (int32_t i = 0; i < load->plan.n_tensors; i++) {
-        struct ggml_tensor * pool_tensor = llama_empanel_pool(model, load->plan.tensor_names[i]);
-        if (empanel_pool_bind(load->pool, load->plan.tensor_names[i], pool_tensor) != 0) {
+        struct llama_empanel_pool_info info = { 0 };
+        const int made = llama_empanel_pool_info(model, load->plan.tensor_names[i], &info);
+        if (empanel_pool_bind(load->pool, load->plan.tensor_names[i], made ? &info : NULL) != 0) {
             empanel_format_err(err, err_size, "%s", empanel_pool_error(load->pool));
             return -1;
         }
-        load->n_masked += llama_empanel_pool_masked(pool_tensor) ? 1 : 0;
+        load->n_masked += info.masked ? 1 : 0;
     }
     if (load->plan.host_cache_bytes > 0 && empanel_host_cache_init(load->pool, load->plan.host_cache_bytes, err, err_size) != 0) {
         return -1;
@@ -297,6 +299,10 @@ int32_t empanel_program_loaded(struct empanel_load * load, const struct llama_mo
                 empanel_pool_resident_bytes(load->pool) / 1048576.0, (empanel_now_ns() - t0) / 1e9);
     }
     return 0;
+}
+
+void empanel_program_close(struct empanel_load * load) {
+    empanel_load_close(load);
 }
 
 // -- Prometheus text of the open loads (llama-server's /metrics) -------------------------------

@@ -151,252 +151,296 @@ enum plan_record {
     PLAN_REQUIRED = (1 << 9) - 1,
 };
 
+// what a record's parser found (the caller writes the message for BAD and OOM)
+enum record_result {
+    RECORD_FIXED,  // read; the line must end where its last field does
+    RECORD_LINE,   // read, to the end of the line
+    RECORD_BAD,    // a bad record
+    RECORD_OOM,    // out of memory
+    RECORD_FAILED, // refused, err says why
+};
+
+static enum record_result parse_model(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    snprintf(plan->model, sizeof(plan->model), "%s", rest_of_line(r));
+    return RECORD_LINE;
+}
+
+static enum record_result parse_stats(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    snprintf(plan->stats_path, sizeof(plan->stats_path), "%s", rest_of_line(r));
+    return RECORD_LINE;
+}
+
+// file SIZE MTIME_NS PATH: a shard as it was at plan time
+static enum record_result parse_file(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    uint64_t size = 0;
+    int64_t  mtime_ns = 0;
+    if (field_u64(r, &size, 10) != 0 || field_i64(r, &mtime_ns) != 0 || *r->pos == '\0') {
+        return RECORD_BAD;
+    }
+    const char * path = rest_of_line(r);
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        empanel_format_err(err, err_size, "%s: %s", path, strerror(errno));
+        return RECORD_FAILED;
+    }
+#if defined(__APPLE__)
+    const int64_t now_ns = (int64_t) st.st_mtimespec.tv_sec * 1000000000 + st.st_mtimespec.tv_nsec;
+#else
+    const int64_t now_ns = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+#endif
+    if ((uint64_t) st.st_size != size || now_ns != mtime_ns) {
+        empanel_format_err(err, err_size, "%s changed since empanel-gguf planned the load (size or mtime); run the "
+                "command again", path);
+        return RECORD_FAILED;
+    }
+    char ** paths = grow(plan->paths, plan->n_paths, sizeof(char *));
+    if (paths == NULL) {
+        return RECORD_OOM;
+    }
+    plan->paths = paths;
+    uint64_t * sizes = grow(plan->file_sizes, plan->n_paths, sizeof(uint64_t));
+    if (sizes == NULL) {
+        return RECORD_OOM;
+    }
+    plan->file_sizes = sizes;
+    plan->file_sizes[plan->n_paths] = size;
+    if ((plan->paths[plan->n_paths] = strdup(path)) == NULL) {
+        return RECORD_OOM;
+    }
+    plan->n_paths++;
+    return RECORD_LINE;
+}
+
+// shape N_LAYER N_EXPERT N_EXPERT_USED (once)
+static enum record_result parse_shape(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    const int again = (plan->seen & PLAN_SHAPE) != 0;
+    return again || field_i32(r, &plan->n_layer, 1, 1 << 16) != 0 || field_i32(r, &plan->n_expert, 1, 1 << 16) != 0 ||
+           field_i32(r, &plan->n_expert_used, 1, 1 << 16) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
+// params THREADS CHUNK DIRECT_IO POLICY BUDGET PREFETCH SUBST_RATIO VERIFY
+static enum record_result parse_params(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    struct empanel_pool_params * p = &plan->params;
+    int64_t chunk = 0;
+    if (field_i32(r, &p->n_threads, 0, EMPANEL_MAX_READ_THREADS) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 ||
+        chunk > EMPANEL_MAX_CHUNK_BYTES || field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
+        field_u64(r, &p->budget_bytes, 10) != 0 || field_i32(r, &p->prefetch, 0, INT32_MAX) != 0 ||
+        field_f32(r, &p->subst_ratio) != 0 || !(p->subst_ratio >= 0.0f && p->subst_ratio <= 1.0f) ||
+        field_i32(r, &p->verify, 0, 1) != 0) {
+        return RECORD_BAD;
+    }
+    p->chunk_bytes = (uint32_t) chunk;
+    return RECORD_FIXED;
+}
+
+static enum record_result parse_guess(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    return field_i32(r, &plan->guess_depth, 0, 1 << 16) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
+static enum record_result parse_subst(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    return field_i32(r, &plan->subst_alt, 0, 1 << 16) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
+static enum record_result parse_preload(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    return field_i32(r, &plan->preload, 0, 1) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
+static enum record_result parse_pin(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    return field_i32(r, &plan->pinned, 0, 1) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
+static enum record_result parse_host_cache(struct plan_reader * r, struct empanel_plan * plan, char * err,
+                                           size_t err_size) {
+    return field_u64(r, &plan->host_cache_bytes, 10) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
+// slots N_0 .. N_{n_layer-1} (once)
+static enum record_result parse_slots(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    if (plan->n_slots != NULL) {
+        return RECORD_BAD;
+    }
+    if ((plan->n_slots = calloc((size_t) plan->n_layer, sizeof(int32_t))) == NULL) {
+        return RECORD_OOM;
+    }
+    for (int32_t il = 0; il < plan->n_layer; il++) {
+        if (field_i32(r, &plan->n_slots[il], -1, plan->n_expert) != 0) {
+            return RECORD_BAD;
+        }
+    }
+    return RECORD_FIXED;
+}
+
+// tensor LAYER FILE OFFSET EXPERT_SIZE NAME
+static enum record_result parse_tensor(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    struct empanel_tensor_desc d = {0};
+    if (field_i32(r, &d.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &d.file, 0, plan->n_paths - 1) != 0 ||
+        field_u64(r, &d.offset, 10) != 0 || field_u64(r, &d.expert_size, 10) != 0 || d.expert_size == 0 ||
+        *r->pos == '\0') {
+        return RECORD_BAD;
+    }
+    // the experts lie inside their file (which the 'file' record sized): no sum below wraps
+    const uint64_t file_size = plan->file_sizes[d.file];
+    if (d.offset > file_size || d.expert_size > (file_size - d.offset) / (uint64_t) plan->n_expert) {
+        empanel_format_err(err, err_size, "%s:%d: tensor %s: %d experts of %llu bytes at offset %llu lie outside "
+                           "its file (%llu bytes)", r->path, r->line_no, rest_of_line(r), plan->n_expert,
+                           (unsigned long long) d.expert_size, (unsigned long long) d.offset,
+                           (unsigned long long) file_size);
+        return RECORD_FAILED;
+    }
+    struct empanel_tensor_desc * tensors = grow(plan->tensors, plan->n_tensors, sizeof(*plan->tensors));
+    if (tensors != NULL) {
+        plan->tensors = tensors;
+    }
+    char ** names = tensors != NULL ? grow(plan->tensor_names, plan->n_tensors, sizeof(char *)) : NULL;
+    if (names == NULL) {
+        return RECORD_OOM;
+    }
+    plan->tensor_names = names;
+    if ((names[plan->n_tensors] = strdup(rest_of_line(r))) == NULL) {
+        return RECORD_OOM;
+    }
+    d.name = names[plan->n_tensors];
+    plan->tensors[plan->n_tensors++] = d;
+    return RECORD_LINE;
+}
+
+// order LAYER N EXPERT_1 .. EXPERT_N N_USES [USES_1 .. USES_N]
+static enum record_result parse_order(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    struct empanel_plan_order o = {0};
+    int32_t n_uses = 0;
+    if (field_i32(r, &o.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &o.n, 1, plan->n_expert) != 0) {
+        return RECORD_BAD;
+    }
+    struct empanel_plan_order * orders = grow(plan->orders, plan->n_orders, sizeof(*plan->orders));
+    if (orders == NULL || (o.experts = calloc((size_t) o.n, sizeof(int32_t))) == NULL) {
+        if (orders != NULL) {
+            plan->orders = orders;
+        }
+        return RECORD_OOM;
+    }
+    plan->orders = orders;
+    plan->orders[plan->n_orders++] = o; // owned by plan from here, filled below
+    struct empanel_plan_order * at = &plan->orders[plan->n_orders - 1];
+    for (int32_t i = 0; i < at->n; i++) {
+        if (field_i32(r, &at->experts[i], 0, plan->n_expert - 1) != 0) {
+            return RECORD_BAD;
+        }
+    }
+    if (field_i32(r, &n_uses, 0, at->n) != 0 || (n_uses != 0 && n_uses != at->n)) {
+        return RECORD_BAD;
+    }
+    if (n_uses > 0) {
+        if ((at->uses = calloc((size_t) n_uses, sizeof(uint32_t))) == NULL) {
+            return RECORD_OOM;
+        }
+        for (int32_t i = 0; i < n_uses; i++) {
+            int32_t u = 0;
+            if (field_i32(r, &u, 0, INT32_MAX) != 0) {
+                return RECORD_BAD;
+            }
+            at->uses[i] = (uint32_t) u;
+        }
+    }
+    return RECORD_FIXED;
+}
+
+// digests NAME N DIGEST_1 .. DIGEST_N (hex)
+static enum record_result parse_digests(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    const char * name = next_field(r);
+    int32_t n = 0;
+    if (name == NULL || field_i32(r, &n, 1, plan->n_expert) != 0) {
+        return RECORD_BAD;
+    }
+    struct empanel_plan_digests * all = grow(plan->digests, plan->n_digests, sizeof(*plan->digests));
+    if (all == NULL) {
+        return RECORD_OOM;
+    }
+    plan->digests = all;
+    struct empanel_plan_digests * d = &plan->digests[plan->n_digests];
+    d->n       = n;
+    d->name    = strdup(name);
+    d->digests = calloc((size_t) n, sizeof(uint64_t));
+    plan->n_digests++; // owned by plan from here (empanel_plan_free frees a partial one)
+    if (d->name == NULL || d->digests == NULL) {
+        return RECORD_OOM;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (field_u64(r, &d->digests[i], 16) != 0) {
+            return RECORD_BAD;
+        }
+    }
+    return RECORD_FIXED;
+}
+
+typedef enum record_result (*record_parser)(struct plan_reader * r, struct empanel_plan * plan, char * err,
+                                             size_t err_size);
+
+// every record kind: its parser, the bit it sets in plan->seen (0: none), whether it comes after
+// 'shape' (which sizes it)
+static const struct {
+    const char  * kind;
+    record_parser parse;
+    int           seen;
+    int           sized;
+} g_records[] = {
+    { "model",      parse_model,      PLAN_MODEL,   0 },
+    { "stats",      parse_stats,      0,            0 },
+    { "file",       parse_file,       PLAN_FILE,    0 },
+    { "shape",      parse_shape,      PLAN_SHAPE,   0 },
+    { "params",     parse_params,     PLAN_PARAMS,  0 },
+    { "guess",      parse_guess,      PLAN_GUESS,   0 },
+    { "subst",      parse_subst,      PLAN_SUBST,   0 },
+    { "preload",    parse_preload,    PLAN_PRELOAD, 0 },
+    { "pin",        parse_pin,        0,            0 },
+    { "host-cache", parse_host_cache, 0,            0 },
+    { "slots",      parse_slots,      PLAN_SLOTS,   1 },
+    { "tensor",     parse_tensor,     PLAN_TENSOR,  1 },
+    { "order",      parse_order,      0,            1 },
+    { "digests",    parse_digests,    0,            1 },
+};
+
 // one record of the plan into plan; 0, 1 at `end`, -1 on a bad record (err says which).
 // Records of a fixed shape must end where their last field does; shape comes once, before the
 // records whose sizes it gives.
 static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
     const char * kind = next_field(r);
-    int seen = 0;
     if (kind == NULL) {
         return 0; // blank line
     }
     if (strcmp(kind, "end") == 0) {
         return 1;
     }
-    if (strcmp(kind, "model") == 0) {
-        snprintf(plan->model, sizeof(plan->model), "%s", rest_of_line(r));
-        plan->seen |= PLAN_MODEL;
-        return 0;
+    const int n_kinds = (int) (sizeof(g_records) / sizeof(g_records[0]));
+    int k = 0;
+    while (k < n_kinds && strcmp(kind, g_records[k].kind) != 0) {
+        k++;
     }
-    if (strcmp(kind, "stats") == 0) {
-        snprintf(plan->stats_path, sizeof(plan->stats_path), "%s", rest_of_line(r));
-        return 0;
-    }
-    if (strcmp(kind, "file") == 0) {
-        uint64_t size = 0;
-        int64_t  mtime_ns = 0;
-        if (field_u64(r, &size, 10) != 0 || field_i64(r, &mtime_ns) != 0 || *r->pos == '\0') {
-            goto bad;
-        }
-        const char * path = rest_of_line(r);
-        struct stat st;
-        if (stat(path, &st) != 0) {
-            empanel_format_err(err, err_size, "%s: %s", path, strerror(errno));
-            return -1;
-        }
-#if defined(__APPLE__)
-        const int64_t now_ns = (int64_t) st.st_mtimespec.tv_sec * 1000000000 + st.st_mtimespec.tv_nsec;
-#else
-        const int64_t now_ns = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
-#endif
-        if ((uint64_t) st.st_size != size || now_ns != mtime_ns) {
-            empanel_format_err(err, err_size, "%s changed since empanel-gguf planned the load (size or mtime); run the "
-                    "command again", path);
-            return -1;
-        }
-        char ** paths = grow(plan->paths, plan->n_paths, sizeof(char *));
-        if (paths == NULL) {
-            goto oom;
-        }
-        plan->paths = paths;
-        uint64_t * sizes = grow(plan->file_sizes, plan->n_paths, sizeof(uint64_t));
-        if (sizes == NULL) {
-            goto oom;
-        }
-        plan->file_sizes = sizes;
-        plan->file_sizes[plan->n_paths] = size;
-        if ((plan->paths[plan->n_paths] = strdup(path)) == NULL) {
-            goto oom;
-        }
-        plan->n_paths++;
-        plan->seen |= PLAN_FILE;
-        return 0;
-    }
-    if (strcmp(kind, "shape") == 0) {
-        if ((plan->seen & PLAN_SHAPE) || field_i32(r, &plan->n_layer, 1, 1 << 16) != 0 ||
-            field_i32(r, &plan->n_expert, 1, 1 << 16) != 0 || field_i32(r, &plan->n_expert_used, 1, 1 << 16) != 0) {
-            goto bad;
-        }
-        seen = PLAN_SHAPE;
-        goto fixed;
-    }
-    if (strcmp(kind, "params") == 0) {
-        struct empanel_pool_params * p = &plan->params;
-        int64_t chunk = 0;
-        if (field_i32(r, &p->n_threads, 0, EMPANEL_MAX_READ_THREADS) != 0 || field_i64(r, &chunk) != 0 || chunk < 0 ||
-            chunk > EMPANEL_MAX_CHUNK_BYTES || field_i32(r, &p->direct_io, -1, 1) != 0 || field_i32(r, &p->policy, 0, 64) != 0 ||
-            field_u64(r, &p->budget_bytes, 10) != 0 || field_i32(r, &p->prefetch, 0, INT32_MAX) != 0 ||
-            field_f32(r, &p->subst_ratio) != 0 || !(p->subst_ratio >= 0.0f && p->subst_ratio <= 1.0f) ||
-            field_i32(r, &p->verify, 0, 1) != 0) {
-            goto bad;
-        }
-        p->chunk_bytes = (uint32_t) chunk;
-        seen = PLAN_PARAMS;
-        goto fixed;
-    }
-    if (strcmp(kind, "guess") == 0) {
-        if (field_i32(r, &plan->guess_depth, 0, 1 << 16) != 0) {
-            goto bad;
-        }
-        seen = PLAN_GUESS;
-        goto fixed;
-    }
-    if (strcmp(kind, "subst") == 0) {
-        if (field_i32(r, &plan->subst_alt, 0, 1 << 16) != 0) {
-            goto bad;
-        }
-        seen = PLAN_SUBST;
-        goto fixed;
-    }
-    if (strcmp(kind, "preload") == 0) {
-        if (field_i32(r, &plan->preload, 0, 1) != 0) {
-            goto bad;
-        }
-        seen = PLAN_PRELOAD;
-        goto fixed;
-    }
-    if (strcmp(kind, "pin") == 0) {
-        if (field_i32(r, &plan->pinned, 0, 1) != 0) {
-            goto bad;
-        }
-        goto fixed;
-    }
-    if (strcmp(kind, "host-cache") == 0) {
-        if (field_u64(r, &plan->host_cache_bytes, 10) != 0) {
-            goto bad;
-        }
-        goto fixed;
-    }
-    if (!(plan->seen & PLAN_SHAPE)) { // the records below are sized by it
+    if ((k == n_kinds || g_records[k].sized) && !(plan->seen & PLAN_SHAPE)) {
         empanel_format_err(err, err_size, "%s:%d: '%s' before 'shape'", r->path, r->line_no, kind);
         return -1;
     }
-    if (strcmp(kind, "slots") == 0) {
-        if (plan->n_slots != NULL) {
-            goto bad;
-        }
-        if ((plan->n_slots = calloc((size_t) plan->n_layer, sizeof(int32_t))) == NULL) {
-            goto oom;
-        }
-        for (int32_t il = 0; il < plan->n_layer; il++) {
-            if (field_i32(r, &plan->n_slots[il], -1, plan->n_expert) != 0) {
-                goto bad;
-            }
-        }
-        seen = PLAN_SLOTS;
-        goto fixed;
+    if (k == n_kinds) {
+        empanel_format_err(err, err_size, "%s:%d: unknown record '%s'", r->path, r->line_no, kind);
+        return -1;
     }
-    if (strcmp(kind, "tensor") == 0) {
-        struct empanel_tensor_desc d = {0};
-        if (field_i32(r, &d.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &d.file, 0, plan->n_paths - 1) != 0 ||
-            field_u64(r, &d.offset, 10) != 0 || field_u64(r, &d.expert_size, 10) != 0 || d.expert_size == 0 ||
-            *r->pos == '\0') {
-            goto bad;
-        }
-        // the experts lie inside their file (which the 'file' record sized): no sum below wraps
-        const uint64_t file_size = plan->file_sizes[d.file];
-        if (d.offset > file_size || d.expert_size > (file_size - d.offset) / (uint64_t) plan->n_expert) {
-            empanel_format_err(err, err_size, "%s:%d: tensor %s: %d experts of %llu bytes at offset %llu lie outside "
-                               "its file (%llu bytes)", r->path, r->line_no, rest_of_line(r), plan->n_expert,
-                               (unsigned long long) d.expert_size, (unsigned long long) d.offset,
-                               (unsigned long long) file_size);
+    enum record_result got = g_records[k].parse(r, plan, err, err_size);
+    if (got == RECORD_FIXED && *r->pos != '\0') {
+        got = RECORD_BAD; // more fields than the record has
+    }
+    switch (got) {
+        case RECORD_FIXED:
+        case RECORD_LINE:
+            plan->seen |= g_records[k].seen;
+            return 0;
+        case RECORD_BAD:
+            empanel_format_err(err, err_size, "%s:%d: a bad '%s' record", r->path, r->line_no, kind);
             return -1;
-        }
-        struct empanel_tensor_desc * tensors = grow(plan->tensors, plan->n_tensors, sizeof(*plan->tensors));
-        if (tensors != NULL) {
-            plan->tensors = tensors;
-        }
-        char ** names = tensors != NULL ? grow(plan->tensor_names, plan->n_tensors, sizeof(char *)) : NULL;
-        if (names == NULL) {
-            goto oom;
-        }
-        plan->tensor_names = names;
-        if ((names[plan->n_tensors] = strdup(rest_of_line(r))) == NULL) {
-            goto oom;
-        }
-        d.name = names[plan->n_tensors];
-        plan->tensors[plan->n_tensors++] = d;
-        plan->seen |= PLAN_TENSOR;
-        return 0;
+        case RECORD_OOM:
+            empanel_format_err(err, err_size, "%s:%d: out of memory", r->path, r->line_no);
+            return -1;
+        default:
+            return -1;
     }
-    if (strcmp(kind, "order") == 0) {
-        struct empanel_plan_order o = {0};
-        int32_t n_uses = 0;
-        if (field_i32(r, &o.layer, 0, plan->n_layer - 1) != 0 || field_i32(r, &o.n, 1, plan->n_expert) != 0) {
-            goto bad;
-        }
-        struct empanel_plan_order * orders = grow(plan->orders, plan->n_orders, sizeof(*plan->orders));
-        if (orders == NULL || (o.experts = calloc((size_t) o.n, sizeof(int32_t))) == NULL) {
-            if (orders != NULL) {
-                plan->orders = orders;
-            }
-            goto oom;
-        }
-        plan->orders = orders;
-        plan->orders[plan->n_orders++] = o; // owned by plan from here, filled below
-        struct empanel_plan_order * at = &plan->orders[plan->n_orders - 1];
-        for (int32_t i = 0; i < at->n; i++) {
-            if (field_i32(r, &at->experts[i], 0, plan->n_expert - 1) != 0) {
-                goto bad;
-            }
-        }
-        if (field_i32(r, &n_uses, 0, at->n) != 0 || (n_uses != 0 && n_uses != at->n)) {
-            goto bad;
-        }
-        if (n_uses > 0) {
-            if ((at->uses = calloc((size_t) n_uses, sizeof(uint32_t))) == NULL) {
-                goto oom;
-            }
-            for (int32_t i = 0; i < n_uses; i++) {
-                int32_t u = 0;
-                if (field_i32(r, &u, 0, INT32_MAX) != 0) {
-                    goto bad;
-                }
-                at->uses[i] = (uint32_t) u;
-            }
-        }
-        goto fixed;
-    }
-    if (strcmp(kind, "digests") == 0) {
-        const char * name = next_field(r);
-        int32_t n = 0;
-        if (name == NULL || field_i32(r, &n, 1, plan->n_expert) != 0) {
-            goto bad;
-        }
-        struct empanel_plan_digests * all = grow(plan->digests, plan->n_digests, sizeof(*plan->digests));
-        if (all == NULL) {
-            goto oom;
-        }
-        plan->digests = all;
-        struct empanel_plan_digests * d = &plan->digests[plan->n_digests];
-        d->n       = n;
-        d->name    = strdup(name);
-        d->digests = calloc((size_t) n, sizeof(uint64_t));
-        plan->n_digests++; // owned by plan from here (empanel_plan_free frees a partial one)
-        if (d->name == NULL || d->digests == NULL) {
-            goto oom;
-        }
-        for (int32_t i = 0; i < n; i++) {
-            if (field_u64(r, &d->digests[i], 16) != 0) {
-                goto bad;
-            }
-        }
-        goto fixed;
-    }
-    empanel_format_err(err, err_size, "%s:%d: unknown record '%s'", r->path, r->line_no, kind);
-    return -1;
-fixed:
-    if (*r->pos != '\0') {
-        goto bad; // more fields than the record has
-    }
-    plan->seen |= seen;
-    return 0;
-bad:
-    empanel_format_err(err, err_size, "%s:%d: a bad '%s' record", r->path, r->line_no, kind);
-    return -1;
-oom:
-    empanel_format_err(err, err_size, "%s:%d: out of memory", r->path, r->line_no);
-    return -1;
 }
 
 void empanel_plan_free(struct empanel_plan * plan) {

@@ -12,11 +12,11 @@
 // count it starts with
 static int32_t next_preload_expert(const struct empanel_pool * pool, const struct empanel_layer * layer, int32_t * cursor,
                                    uint32_t * uses) {
-    while (*cursor < layer->n_preload_order + pool->n_expert) {
+    while (*cursor < layer->preload.n_order + pool->n_expert) {
         const int32_t i = (*cursor)++;
-        const int32_t e = i < layer->n_preload_order ? layer->preload_order[i] : i - layer->n_preload_order;
-        if (layer->slot_of[e] < 0 && layer->miss_mark[e] != pool->call) {
-            *uses = i < layer->n_preload_order && layer->preload_uses != NULL ? layer->preload_uses[i] : 1;
+        const int32_t e = i < layer->preload.n_order ? layer->preload.order[i] : i - layer->preload.n_order;
+        if (layer->tables.slot_of[e] < 0 && layer->tables.miss_mark[e] != pool->call) {
+            *uses = i < layer->preload.n_order && layer->preload.uses != NULL ? layer->preload.uses[i] : 1;
             return e;
         }
     }
@@ -30,7 +30,7 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
     int32_t n      = 0;
     int32_t cursor = 0;
     for (int32_t s = 0; s < layer->n_slots && n < max_fill; s++) {
-        if (layer->expert_in[s] >= 0) {
+        if (layer->tables.expert_in[s] >= 0) {
             continue;
         }
         uint32_t uses = 1;
@@ -39,35 +39,35 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
             break;
         }
         if (pool->policy == EMPANEL_POLICY_GLRU) {
-            if (pool->resident_bytes + layer->expert_bytes > pool->budget_bytes) {
+            if (pool->glru.resident_bytes + layer->expert_bytes > pool->glru.budget_bytes) {
                 break; // the budget is full: no eviction for a guess
             }
-            pool->resident_bytes += layer->expert_bytes;
+            pool->glru.resident_bytes += layer->expert_bytes;
         }
-        empanel_note_use(layer, s, call);
-        layer->uses[s]       = uses > 0 ? uses : 1;
-        layer->miss_mark[e]  = call; // taken: not chosen twice
-        layer->misses[n]     = e;
-        layer->victims[n]    = s;
+        empanel_slots_note_use(layer, s, call);
+        layer->tables.uses[s]       = uses > 0 ? uses : 1;
+        layer->tables.miss_mark[e]  = call; // taken: not chosen twice
+        layer->tables.misses[n]     = e;
+        layer->tables.victims[n]    = s;
         n++;
     }
     // earlier in the preload order, evicted later: the most used of a profile last of all (the
     // clock values call + 1 .. call + n are taken for it; every later use is more recent)
     for (int32_t r = 0; r < n; r++) {
-        layer->last_use[layer->victims[r]] = call + (uint64_t) (n - r);
+        layer->tables.last_use[layer->tables.victims[r]] = call + (uint64_t) (n - r);
     }
     pool->call += (uint64_t) n;
-    empanel_sort_file_order(layer, n);
-    if (n > 0 && empanel_fill_slots(pool, layer, n) != 0) {
+    empanel_slots_sort_file_order(layer, n);
+    if (n > 0 && empanel_batch_fill_slots(pool, layer, n) != 0) {
         return -1;
     }
     if (pool->policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
         for (int32_t i = 0; i < n; i++) {
-            layer->order_key[i] = (layer->last_use[layer->victims[i]] - call) << 32 | (uint32_t) layer->victims[i];
+            layer->tables.order_key[i] = (layer->tables.last_use[layer->tables.victims[i]] - call) << 32 | (uint32_t) layer->tables.victims[i];
         }
-        qsort(layer->order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
+        qsort(layer->tables.order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
         for (int32_t i = 0; i < n; i++) {
-            const int32_t e = layer->lru_base + (int32_t) (layer->order_key[i] & 0xffffffffu);
+            const int32_t e = layer->lru_base + (int32_t) (layer->tables.order_key[i] & 0xffffffffu);
             empanel_lru_unlink(pool, e);
             empanel_lru_push_recent(pool, e);
         }
@@ -102,11 +102,11 @@ int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const
     if (counts != NULL) {
         memcpy(counts, uses, sizeof(uint32_t) * (size_t) n);
     }
-    free(layer->preload_order);
-    free(layer->preload_uses);
-    layer->preload_order   = order;
-    layer->preload_uses    = counts;
-    layer->n_preload_order = n;
+    free(layer->preload.order);
+    free(layer->preload.uses);
+    layer->preload.order   = order;
+    layer->preload.uses    = counts;
+    layer->preload.n_order = n;
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }
@@ -114,7 +114,7 @@ int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const
 int64_t empanel_pool_preload(struct empanel_pool * pool) {
     pthread_mutex_lock(&pool->lock);
     int64_t n_read = 0;
-    if (atomic_load(&pool->failed) || empanel_read_finish(pool) != 0 || empanel_files_check(pool) != 0) {
+    if (atomic_load(&pool->failed) || empanel_batch_finish(pool) != 0 || empanel_files_check(pool) != 0) {
         n_read = -1;
     }
     // g-lru: each layer its even share of the budget, not the first layers all of it
@@ -124,7 +124,7 @@ int64_t empanel_pool_preload(struct empanel_pool * pool) {
         for (int32_t il = 0; il < pool->n_layer; il++) {
             n_paged += pool->layers[il].n_slots > 0 && !pool->layers[il].observe;
         }
-        per_layer_bytes = n_paged > 0 ? pool->budget_bytes / (uint64_t) n_paged : 0;
+        per_layer_bytes = n_paged > 0 ? pool->glru.budget_bytes / (uint64_t) n_paged : 0;
     }
     for (int32_t il = 0; il < pool->n_layer && n_read >= 0; il++) {
         struct empanel_layer * layer = &pool->layers[il];
@@ -152,10 +152,10 @@ int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err
             continue;
         }
         for (int32_t s = 0; s < pool->n_expert && rc == 0; s++) {
-            if (layer->expert_in[s] != s) {
+            if (layer->tables.expert_in[s] != s) {
                 empanel_format_err(err, err_size, "pinned pools: layer %d, slot %d holds expert %d after the preload, "
                                    "not %d (load with moe_preload on, and without a preload order)", il, s,
-                                   layer->expert_in[s], s);
+                                   layer->tables.expert_in[s], s);
                 rc = -1;
             }
         }

@@ -21,8 +21,6 @@
 
 #include "empanel-impl.h"
 
-#include "llama-empanel.h"
-
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,7 +82,7 @@ static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job)
 }
 
 // staging -> slot (repack, or a copy to the device)
-int empanel_read_convert(struct empanel_pool * pool, const struct empanel_read_job * job) {
+int empanel_reader_convert(struct empanel_pool * pool, const struct empanel_read_job * job) {
     if (empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
         empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
         return -1;
@@ -95,9 +93,9 @@ int empanel_read_convert(struct empanel_pool * pool, const struct empanel_read_j
 static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
     struct empanel_pool * pool = reader->pool;
     const struct empanel_file * f = &pool->files[c->file];
-    const int64_t request = pool->fault_after > 0 ? atomic_fetch_add(&pool->n_requests, 1) + 1 : 0;
-    if (pool->fault_after > 0 && request >= pool->fault_after &&
-        (pool->fault_count <= 0 || request < pool->fault_after + pool->fault_count)) {
+    const int64_t request = pool->fault.after > 0 ? atomic_fetch_add(&pool->fault.n_requests, 1) + 1 : 0;
+    if (pool->fault.after > 0 && request >= pool->fault.after &&
+        (pool->fault.count <= 0 || request < pool->fault.after + pool->fault.count)) {
         empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
                           f->path, (unsigned long long) c->length, (unsigned long long) c->offset, strerror(EIO));
         return -1;
@@ -136,13 +134,13 @@ static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) 
             job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
         }
         if ((job->tensor->digest != NULL && verify_job(pool, job) != 0) ||
-            (job->convert == 1 && empanel_read_convert(pool, job) != 0)) { // repack it now
+            (job->convert == 1 && empanel_reader_convert(pool, job) != 0)) { // repack it now
             failed = 1;
         } else {
             job->landed = 1;
-            if (pool->inflight_ready) {
-                const int32_t ti = (int32_t) (job->tensor - pool->inflight_layer->tensors);
-                landed = atomic_fetch_sub(&pool->inflight_left[ti], 1) == 1;
+            if (reader->by_tensor) {
+                const int32_t ti = (int32_t) (job->tensor - reader->tensors);
+                landed = atomic_fetch_sub(&reader->tensor_left[ti], 1) == 1;
             }
         }
     }
@@ -170,7 +168,7 @@ static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
         }
         work_chunk(reader, i, bounce);
     }
-    // counted before this thread leaves the batch: empanel_read_finish waits for that (busy)
+    // counted before this thread leaves the batch: empanel_batch_finish waits for that (busy)
     atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
 }
 
@@ -308,7 +306,9 @@ void empanel_reader_stop(struct empanel_pool * pool) {
 
 // post the chunks to the reader threads
 void empanel_reader_post(struct empanel_pool * pool, struct empanel_read_job * jobs,
-                         const struct empanel_chunk * chunks, int32_t n_chunks) {
+                         const struct empanel_chunk * chunks, int32_t n_chunks,
+                         const struct empanel_layer * layer, int by_tensor, const int32_t * n_landing,
+                         const int32_t * chunk_end) {
     struct empanel_reader * reader = &pool->reader;
     pthread_mutex_lock(&reader->mutex);
     // a thread that woke late for the previous batch must leave it before the fields change
@@ -319,9 +319,15 @@ void empanel_reader_post(struct empanel_pool * pool, struct empanel_read_job * j
     atomic_store(&reader->cpu_ns, 0);
     atomic_store(&reader->skipped_io, 0);
     atomic_store(&reader->skipped_bounce, 0);
-    reader->jobs     = jobs;
-    reader->chunks   = chunks;
-    reader->n_chunks = n_chunks;
+    reader->jobs      = jobs;
+    reader->chunks    = chunks;
+    reader->n_chunks  = n_chunks;
+    reader->by_tensor = by_tensor;
+    reader->tensors   = layer->tensors;
+    for (int32_t i = 0; i < EMPANEL_MAX_TENSORS; i++) {
+        atomic_store(&reader->tensor_left[i], i < layer->n_tensors ? n_landing[i] : 0);
+        reader->tensor_chunk_end[i] = i < layer->n_tensors ? chunk_end[i] : 0;
+    }
     reader->done_ns  = 0;
     atomic_store(&reader->next, 0);
     atomic_store(&reader->done, 0);
@@ -340,6 +346,7 @@ void empanel_reader_finish(struct empanel_pool * pool) {
     while (atomic_load(&reader->done) < reader->n_chunks || atomic_load(&reader->busy) > 0) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
+    reader->by_tensor = 0;
     pthread_mutex_unlock(&reader->mutex);
 }
 
@@ -347,7 +354,7 @@ void empanel_reader_finish(struct empanel_pool * pool) {
 // before them) alongside the threads; 0, or -1 if a read of the batch failed
 int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     struct empanel_reader * reader = &pool->reader;
-    const int      limit = pool->inflight_chunk_end[ti];
+    const int      limit = reader->tensor_chunk_end[ti];
     const uint64_t cpu0  = empanel_thread_cpu_ns();
     int i = atomic_load(&reader->next);
     while (i < limit) {
@@ -359,7 +366,7 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
 
     pthread_mutex_lock(&reader->mutex);
-    while (atomic_load(&pool->inflight_left[ti]) > 0 && !atomic_load(&reader->batch_failed)) {
+    while (atomic_load(&reader->tensor_left[ti]) > 0 && !atomic_load(&reader->batch_failed)) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
     pthread_mutex_unlock(&reader->mutex);

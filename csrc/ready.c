@@ -12,15 +12,15 @@ int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
     const int32_t ti = layer != NULL ? empanel_tensor_index(layer, pool_tensor) : -1;
     int32_t rc = atomic_load(&pool->failed) ? -1 : 0; // (the graph is being stopped)
     if (ti >= 0 && rc == 0) {
-        if ((layer->ready_seen & (1u << ti)) == 0) {
-            layer->ready_seen       |= 1u << ti;
-            layer->ready_rank[ti]    = layer->ready_next++;
+        if ((layer->ready.seen & (1u << ti)) == 0) {
+            layer->ready.seen       |= 1u << ti;
+            layer->ready.rank[ti]    = layer->ready.next++;
         }
         // the layer's last tensor: its batch is accounted for here, nothing stays in flight
-        const int last = empanel_ready_all_seen(layer) && pool->inflight && pool->inflight_ready &&
-                         pool->inflight_layer == layer;
-        if (empanel_read_wait_tensor(pool, layer, ti) != 0 || (last && empanel_read_finish(pool) != 0)) {
-            empanel_read_finish(pool); // nothing stays in flight after a failure
+        const int last = empanel_ready_all_seen(layer) && pool->batch.inflight && pool->reader.by_tensor &&
+                         pool->batch.layer == layer;
+        if (empanel_batch_wait_tensor(pool, layer, ti) != 0 || (last && empanel_batch_finish(pool) != 0)) {
+            empanel_batch_finish(pool); // nothing stays in flight after a failure
             if (!atomic_load(&pool->failed)) {
                 empanel_set_error(pool, "reading the experts of layer %d failed", il);
             }

@@ -144,8 +144,9 @@ def _cdef_from_header(text):
 # the parts of libllama's C API (llama.h, llama-empanel.h) that the sidecar is wired up with
 _LLAMA_CDEF = """
 void    llama_empanel_clear_plan(void);
+struct llama_empanel_pool_info { void * tensor; int64_t n_slots; uint64_t slot_bytes; _Bool masked; };
 int32_t llama_empanel_n_pools(const void * model);
-void *  llama_empanel_pool(const void * model, const char * name);
+_Bool   llama_empanel_pool_info(const void * model, const char * name, struct llama_empanel_pool_info * info);
 void    llama_set_abort_callback(void * ctx, _Bool (*abort_callback)(void *), void * data);
 """
 

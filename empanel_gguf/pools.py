@@ -144,7 +144,7 @@ class LabPool:
                                                budget_bytes, err, 512)
         if pool == ffi.NULL:
             raise ValueError(f"empanel lab: {ffi.string(err).decode()}")
-        self.pool = ffi.gc(pool, self.n.sidecar.empanel_pool_free)
+        self.pool = ffi.gc(pool, self.n.sidecar.empanel_lab_free)
         self._ids = ffi.new("int32_t[]", max(1, n_expert))
         self.n_expert = n_expert
 

@@ -51,8 +51,10 @@ def slot_contents(llm, index, layer, slot):
     model = n.ptr(llm._model.model)
     out = {}
     for kind, t in index.layer(layer).tensors.items():
-        pool_tensor = n.llama.llama_empanel_pool(model, t.name.encode())
-        data = n.sidecar.empanel_slot_data(pool_tensor, slot)
+        info = n.ffi.new("struct llama_empanel_pool_info *")
+        assert n.llama.llama_empanel_pool_info(model, t.name.encode(), info)
+        assert info.n_slots == llm._experts.n_slots[layer] and info.slot_bytes == t.stride
+        data = n.sidecar.empanel_slot_data(info.tensor, slot)
         assert data != n.ffi.NULL, "F32 pools are plain host memory"
         out[kind] = bytes(n.ffi.buffer(data, t.stride))
     return out

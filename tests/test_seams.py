@@ -78,23 +78,54 @@ def test_no_module_level_import_circles():
     assert not circles, f"modules that import each other: {circles}"
 
 
-def test_sidecar_units_have_no_circles():
-    """Each csrc/*.c unit's calls into functions defined in other units form no circle (the
-    error, clock and hash helpers live in util.c, which calls nobody)."""
+def _sidecar_call_graph():
+    """Each csrc/*.c unit -> the units whose functions it calls."""
     units = {path.stem: path.read_text() for path in (REPO / "csrc").glob("*.c")}
     defined = {}
     for unit, text in units.items():
         for fn in re.findall(r"^[a-z_][\w \*]*?\b(empanel_\w+)\s*\(", text, re.M):
             defined.setdefault(fn, unit)
-    graph = {unit: {defined[fn] for fn in re.findall(r"\b(empanel_\w+)\s*\(", text)
-                    if fn in defined and defined[fn] != unit} for unit, text in units.items()}
+    return units, {unit: {defined[fn] for fn in re.findall(r"\b(empanel_\w+)\s*\(", text)
+                          if fn in defined and defined[fn] != unit} for unit, text in units.items()}
+
+
+def test_sidecar_units_have_no_circles():
+    """Each csrc/*.c unit's calls into functions defined in other units form no circle: the units
+    stand in layers (util.c at the bottom; slots.c the tables under remap.c, guess.c and preload.c;
+    pool.c and load.c on top)."""
+    _, graph = _sidecar_call_graph()
     assert graph["util"] == set()
     for unit in ("pool", "reader", "files", "rpc"):
         assert "util" in graph[unit], unit
+    # the slot tables do no I/O and know nothing above them
+    assert graph["slots"] <= {"backend", "util"}, graph["slots"]
+    assert not ({"remap", "guess"} & (graph["remap"] | graph["guess"])), "remap.c and guess.c call each other"
     circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in _reach(graph, b)})
-    # pool.c <-> remap.c and kin are one engine; the I/O units must not lean back on pool.c
-    for a, b in circles:
-        assert not ({a, b} & {"files", "reader", "rpc", "util"}), f"csrc/{a}.c and csrc/{b}.c call each other"
+    assert not circles, f"csrc units that call each other (directly or through others): {circles}"
+
+
+def test_only_load_calls_libllama():
+    """The hook API is the only boundary: of the sidecar's units only csrc/load.c includes
+    llama-empanel.h and calls libllama; the others read the shared header of constants and
+    callback types. No name is ours in both libraries: libllama's start with llama_empanel_."""
+    hooks = (REPO / "patches" / "files" / "include" / "llama-empanel.h").read_text()
+    exported = set(re.findall(r"LLAMA_API[^;(]*?\b(llama_\w+)\s*\(", hooks))
+    assert {"llama_empanel_set_plan", "llama_empanel_pool_info", "llama_empanel_model_file"} <= exported
+    units, _ = _sidecar_call_graph()
+    callers = sorted(unit for unit, text in units.items()
+                     if re.search(r"\bllama_\w+\s*\(", re.sub(r'"[^"\n]*"', "", text)) and unit != "backend"
+                     or '#include "llama-empanel.h"' in text)
+    assert callers == ["load"], callers
+    # backend.c names libllama's structs only to report their sizes (sizeof), and calls ggml
+    assert not (set(re.findall(r"\b(llama_\w+)\s*\(", units["backend"])) - {"llama_empanel_buffer_in_host_memory",
+                                                                              "llama_empanel_device_is_gpu",
+                                                                              "llama_empanel_device_is_rpc"})
+    ours_in_llama = "".join(path.read_text() for path in (REPO / "patches" / "files" / "src").glob("*.cpp"))
+    defined = set(re.findall(r"^(?:static )?[\w:<>\* ]*?\b(\w*empanel_\w+)\s*\([^;]*?\)\s*\{", ours_in_llama, re.M))
+    assert defined and all(name.startswith("llama_empanel_") for name in defined), sorted(
+        name for name in defined if not name.startswith("llama_empanel_"))
+    sidecar_defined = {fn for text in units.values() for fn in re.findall(r"^[a-z_][\w \*]*?\b(\w+)\s*\(", text, re.M)}
+    assert not any(name.startswith("llama_") for name in sidecar_defined)
 
 
 def test_counters_are_declared_once():
@@ -126,7 +157,7 @@ def test_pins_equal_the_hook_header():
     plain pools are placed by) are the header's."""
     from empanel_gguf import _pins
 
-    header = (REPO / "patches" / "files" / "include" / "llama-empanel.h").read_text()
+    header = (REPO / "patches" / "files" / "include" / "llama-empanel-shared.h").read_text()
     defines = dict(re.findall(r"#define (LLAMA_EMPANEL_\w+) (\d+)", header))
     assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == _pins.EMPANEL_API_VERSION
     assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == _pins.READ_ALIGN

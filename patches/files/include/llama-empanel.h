@@ -5,6 +5,7 @@
 // No struct that the llama-cpp-python ctypes bindings mirror is changed by these hooks.
 
 #include "llama.h"
+#include "llama-empanel-shared.h" // constants, callback types, struct llama_empanel_pool_info
 
 #include <stddef.h>
 #include <stdint.h>
@@ -12,13 +13,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-// bumped whenever a function below changes; empanel-gguf refuses a library with another version
-#define LLAMA_EMPANEL_API_VERSION 11
-
-// the O_DIRECT block of the sidecar's reads, bytes: plain host pools are placed at their file
-// offset modulo this so that reads land in their slots
-#define LLAMA_EMPANEL_READ_ALIGN 4096
 
     LLAMA_API int32_t      llama_empanel_api_version(void);
 
@@ -46,29 +40,6 @@ extern "C" {
     // not in flight), its product times a 0/1 mask [1, n_used, n_tokens] is added to the sum, so
     // each element is one wave's value plus zeros: exact as well, at n_waves times the compute.
 
-    // experts one wave holds at most in a pool of n_slots: half of it, so that the next wave's
-    // experts can be read into the other half while this one computes
-    static inline int32_t llama_empanel_wave_experts(int32_t n_slots) {
-        return n_slots >= 2 ? n_slots/2 : 1;
-    }
-
-    // expert ids [n_tokens][n_used] (row i at expert_ids + i*ids_row_stride) -> slot ids, written
-    // contiguously to slot_ids [n_tokens][n_used]. pool == NULL: one call for all the layer's pools
-    // (one wave); else the call for wave `wave` of `n_waves` of that pool tensor only, with -1 for
-    // the pairs of other waves. Returns 0, or non-zero on failure (the graph then runs on slot 0
-    // and the caller's abort callback must stop it).
-    typedef int32_t (*llama_empanel_remap_fn)(
-            void                     * user,
-            int32_t                    il,
-            const struct ggml_tensor * pool,
-            int32_t                    wave,
-            int32_t                    n_waves,
-            const int32_t            * expert_ids,
-            int64_t                    ids_row_stride,
-            int32_t                  * slot_ids,
-            int32_t                    n_used,
-            int32_t                    n_tokens);
-
     // the plan for the next model load on this thread: layer il is paged with n_slots[il] slots;
     // 0: resident as usual; < 0: resident, and the remap hook sees its expert ids (and must
     // return them unchanged), e.g. to trace routing. A plan that pages a layer never maps the
@@ -85,15 +56,6 @@ extern "C" {
     // handed to `guess` as expert ids [n_tokens][n_used] for layer il, `distance` paged layers
     // ahead. Guesses never change what is computed. Call after llama_empanel_set_plan, before
     // the load; depth 0 (the default) builds none.
-    typedef int32_t (*llama_empanel_guess_fn)(
-            void          * user,
-            int32_t         il,
-            int32_t         distance,
-            const int32_t * expert_ids,
-            int64_t         ids_row_stride,
-            int32_t         n_used,
-            int32_t         n_tokens);
-
     LLAMA_API void llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth);
 
     // routing substitution (opt-in, inexact): in every paged layer whose gating gives scores
@@ -102,19 +64,6 @@ extern "C" {
     // which it may change in place (a routed expert that is not resident replaced by a resident
     // one among the next choices); the routing weights are then taken for the ids it leaves.
     // Call after llama_empanel_set_plan, before the load; NULL (the default) builds none.
-    typedef int32_t (*llama_empanel_subst_fn)(
-            void          * user,
-            int32_t         il,
-            int32_t       * expert_ids,
-            int64_t         ids_row_stride,
-            int32_t         n_used,
-            const int32_t * candidates,
-            int64_t         cand_row_stride,
-            int32_t         n_cand,
-            const float   * scores,
-            int64_t         scores_row_stride,
-            int32_t         n_tokens);
-
     LLAMA_API void llama_empanel_set_subst(llama_empanel_subst_fn subst, int32_t n_alt);
 
     // reads that overlap the layer's compute: where a paged layer's micro-batch fits its pools
@@ -124,11 +73,6 @@ extern "C" {
     // and one pool's reads go on while another's experts compute. Returns 0, or non-zero on
     // failure (the graph then runs on slot 0 and the caller's abort callback must stop it). Call
     // after llama_empanel_set_plan, before the load; NULL (the default) builds none.
-    typedef int32_t (*llama_empanel_ready_fn)(
-            void                     * user,
-            int32_t                    il,
-            const struct ggml_tensor * pool);
-
     LLAMA_API void llama_empanel_set_ready(llama_empanel_ready_fn ready);
 
     // pinned pools: every paged layer whose pools hold all the model's experts (n_slots >=
@@ -141,19 +85,18 @@ extern "C" {
     // forget the plan (and any pools of a load that failed); call after the load returns
     LLAMA_API void llama_empanel_clear_plan(void);
 
-    // number of pool tensors of a loaded model, and one by its GGUF tensor name (NULL if not paged)
-    LLAMA_API int32_t             llama_empanel_n_pools(const struct llama_model * model);
-    LLAMA_API struct ggml_tensor * llama_empanel_pool(const struct llama_model * model, const char * name);
+    // number of pool tensors of a loaded model, and one by its GGUF tensor name: true and *info
+    // filled (the tensor, its slots, its stride, whether its waves are masked), or false if that
+    // tensor is not paged
+    LLAMA_API int32_t llama_empanel_n_pools(const struct llama_model * model);
+    LLAMA_API bool    llama_empanel_pool_info(const struct llama_model * model, const char * name,
+                                              struct llama_empanel_pool_info * info);
 
     // the identity of file i (0: the first shard, then the others in split order) as llama.cpp's
     // loader opened it for the model (st_dev, st_ino), so that the sidecar checks that its own
     // descriptors name the same files. Returns the number of files the loader opened (0 for a
     // model without pools); *dev and *ino are set only for 0 <= i < that number
     LLAMA_API int32_t llama_empanel_model_file(const struct llama_model * model, int32_t i, uint64_t * dev, uint64_t * ino);
-
-    // whether a pool's waves are masked (above): its kernels read every slot while a wave
-    // computes, so no slot of it may be written then
-    LLAMA_API bool    llama_empanel_pool_masked(const struct ggml_tensor * pool);
 
     // llama.cpp's programs: with EMPANEL_PLAN=<plan file> in the environment (written by
     // `empanel-gguf llama-server ...`), each load of the model that the plan names gets its slot

@@ -38,7 +38,7 @@ std::atomic<const llama_empanel_sidecar *> g_sidecar{nullptr}; // set once, read
 
 #if !defined(_WIN32)
 // the sidecar library, loaded once; nullptr with the reason in err
-const llama_empanel_sidecar * sidecar(std::string & err) {
+const llama_empanel_sidecar * llama_empanel_sidecar_get(std::string & err) {
     static std::once_flag        once;
     static llama_empanel_sidecar api;
     static std::string           failure;
@@ -68,7 +68,7 @@ const llama_empanel_sidecar * sidecar(std::string & err) {
             { "empanel_program_open",     (void **) &api.open        },
             { "empanel_program_loaded",   (void **) &api.loaded      },
             { "empanel_load_pool",        (void **) &api.pool        },
-            { "empanel_load_close",       (void **) &api.close       },
+            { "empanel_program_close",    (void **) &api.close       },
             { "empanel_program_metrics",  (void **) &api.metrics     },
             { "empanel_pool_failed",      (void **) &api.failed      },
             { "empanel_pool_error",       (void **) &api.error       },
@@ -87,18 +87,18 @@ const llama_empanel_sidecar * sidecar(std::string & err) {
     return g_sidecar.load();
 }
 #else
-const llama_empanel_sidecar * sidecar(std::string & err) {
+const llama_empanel_sidecar * llama_empanel_sidecar_get(std::string & err) {
     err = "llama.cpp's programs on slot pools are not supported on Windows yet";
     return nullptr;
 }
 #endif
 
 // on stderr, whatever the program does with llama.cpp's log (llama-bench silences it)
-void report(const char * what) {
+void llama_empanel_report(const char * what) {
     fprintf(stderr, "empanel: %s\n", what);
 }
 
-void * program_of(const llama_model * model) {
+void * llama_empanel_program_of(const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_program_mutex);
     auto it = g_programs.find(model);
     return it == g_programs.end() ? nullptr : it->second;
@@ -113,15 +113,15 @@ bool llama_empanel_program_begin(const std::string & path_model, bool vocab_only
         return true; // no plan handed over, no tensors to page, or a plan set on this thread by the caller
     }
     std::string why;
-    const llama_empanel_sidecar * api = sidecar(why);
+    const llama_empanel_sidecar * api = llama_empanel_sidecar_get(why);
     if (api == nullptr) {
-        report(why.c_str());
+        llama_empanel_report(why.c_str());
         return false;
     }
     char err[512] = "";
     *prog = api->open(plan, path_model.c_str(), err, sizeof(err));
     if (*prog == nullptr && err[0] != '\0') {
-        report(err);
+        llama_empanel_report(err);
         return false;
     }
     return true; // *prog nullptr: the plan is another model's
@@ -133,11 +133,11 @@ bool llama_empanel_program_end(void * prog, const llama_model * model, bool no_a
     }
     llama_empanel_clear_plan();
     std::string why;
-    const llama_empanel_sidecar * api = sidecar(why);
+    const llama_empanel_sidecar * api = llama_empanel_sidecar_get(why);
     char err[512] = "";
     if (model == nullptr || (!no_alloc && api->loaded(prog, model, err, sizeof(err)) != 0)) {
         if (model != nullptr) {
-            report(err);
+            llama_empanel_report(err);
         }
         api->close(prog);
         return false;
@@ -162,7 +162,7 @@ void llama_empanel_program_close(const llama_model * model) {
 }
 
 ggml_status llama_empanel_program_status(const llama_model * model, ggml_status status) {
-    void * prog = program_of(model);
+    void * prog = llama_empanel_program_of(model);
     if (prog == nullptr) {
         return status;
     }
@@ -172,7 +172,7 @@ ggml_status llama_empanel_program_status(const llama_model * model, ggml_status 
         return status;
     }
     // a read failed (or the file changed): this computation's outputs are not the model's
-    report(api->error(pool));
+    llama_empanel_report(api->error(pool));
     api->clear_error(pool);
     return GGML_STATUS_FAILED;
 }

@@ -49,7 +49,11 @@ struct llama_empanel_wave {
     int32_t               n_waves;
 };
 
-struct llama_empanel_layer;
+// what the ready op of one pool calls (the op's userdata)
+struct llama_empanel_ready {
+    llama_empanel_layer * layer;
+    const ggml_tensor   * pool;
+};
 
 // what the guess op of one paged layer for a later one calls (the op's userdata)
 struct llama_empanel_guess {
@@ -78,10 +82,9 @@ struct llama_empanel_layer {
     bool                   waves    = false; // micro-batches larger than the pools run in waves
     std::set<const ggml_tensor *> masked;     // pools whose waves are masked (no kernel skip)
 
-    // userdata of the wave remap ops built so far, by (pool, wave, n_waves); of the ready ops, by
-    // pool (wave 0 of 1)
+    // userdata of the wave remap ops built so far, by (pool, wave, n_waves); of the ready ops, by pool
     std::map<std::tuple<const ggml_tensor *, int32_t, int32_t>, std::unique_ptr<llama_empanel_wave>> wave_ops;
-    std::map<const ggml_tensor *, std::unique_ptr<llama_empanel_wave>>                               ready_ops;
+    std::map<const ggml_tensor *, std::unique_ptr<llama_empanel_ready>>                              ready_ops;
 };
 
 // the plan and the pools of the load running on this thread
@@ -125,19 +128,16 @@ static std::map<const ggml_tensor *, llama_empanel_layer *> g_pool_layer; // poo
 
 // the backends whose MUL_MAT_ID kernels skip pairs with slot id -1, as wave chains need: the CPU
 // (patch 0005) and Vulkan (patch 0011). The others' pools run masked waves
-static bool empanel_backend_skips_pairs(ggml_backend_reg_t reg) {
+static bool llama_empanel_backend_skips_pairs(ggml_backend_reg_t reg) {
     const char * name = reg != nullptr ? ggml_backend_reg_name(reg) : "";
     return strcmp(name, "CPU") == 0 || strcmp(name, "Vulkan") == 0;
 }
 
-// a GPU (or iGPU) backend's device is registered: op offload may take plain host pools'
-// MUL_MAT_IDs to it. RPC devices do not count (they never offload; their pools are device pools)
-static bool empanel_offload_gpu() {
+// a GPU backend's device is registered (llama_empanel_device_is_gpu): op offload may take plain
+// host pools' MUL_MAT_IDs to it
+static bool llama_empanel_offload_gpu() {
     for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
-        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
-        if ((type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) &&
-            strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") != 0) {
+        if (llama_empanel_device_is_gpu(ggml_backend_dev_get(i))) {
             return true;
         }
     }
@@ -154,7 +154,7 @@ void llama_empanel_set_plan(const int32_t * n_slots, int32_t n_layer, llama_empa
     // scripts/gpu_check.py --waves compares them on a GPU)
     const char * mask = getenv("EMPANEL_WAVE_MASK");
     g_load->mask_all = mask != nullptr && strcmp(mask, "1") == 0;
-    g_load->gpu      = empanel_offload_gpu();
+    g_load->gpu      = llama_empanel_offload_gpu();
 }
 
 void llama_empanel_set_guess(llama_empanel_guess_fn guess, int32_t depth) {
@@ -203,7 +203,7 @@ bool llama_empanel_plan_active() {
 }
 
 // "blk.<il>.ffn_<gate|up|down|gate_up>_exps.weight" -> il, else -1
-static int32_t empanel_expert_weight_layer(const char * name) {
+static int32_t llama_empanel_expert_weight_layer(const char * name) {
     int il  = -1;
     int end = 0;
     char kind[16] = {0};
@@ -223,7 +223,7 @@ int32_t llama_empanel_n_slots(const char * name, const ggml_tensor * meta, size_
     if (!g_load) {
         return 0;
     }
-    const int32_t il = empanel_expert_weight_layer(name);
+    const int32_t il = llama_empanel_expert_weight_layer(name);
     if (il < 0 || il >= (int32_t) g_load->n_slots.size() || g_load->n_slots[il] <= 0) {
         return 0;
     }
@@ -249,7 +249,7 @@ void llama_empanel_observe(ggml_tensor * t) {
         if (strcmp(kind, "ffn_gate_inp.bias")   == 0) { g_load->router_biases[rl] = t; }
         if (strcmp(kind, "exp_probs_b.bias")    == 0) { g_load->probs_biases[rl]  = t; }
     }
-    const int32_t il = empanel_expert_weight_layer(ggml_get_name(t));
+    const int32_t il = llama_empanel_expert_weight_layer(ggml_get_name(t));
     if (il >= 0 && il < (int32_t) g_load->n_slots.size() && g_load->n_slots[il] < 0) {
         g_load->observed.push_back(t);
     }
@@ -274,17 +274,9 @@ ggml_context * llama_empanel_pool_ctx(ggml_backend_buffer_type_t buft) {
     return ctx;
 }
 
-// CPU extra buffer types (CPU_REPACK) are host memory that does not say so (is_host is for the
-// plain layout): they belong to the CPU device
-static bool empanel_buffer_in_host_memory(ggml_backend_buffer_t buf) {
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
-    const bool cpu = dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-    return ggml_backend_buffer_is_host(buf) || cpu;
-}
-
 // pools in plain host memory: each pool's data at its file offset modulo the O_DIRECT block, so
 // that the sidecar's reads land in its slots with no copy (csrc/reader.c); a block more per pool
-static ggml_backend_buffer_t empanel_alloc_at_phase(ggml_context * ctx, ggml_backend_buffer_type_t buft) {
+static ggml_backend_buffer_t llama_empanel_alloc_at_phase(ggml_context * ctx, ggml_backend_buffer_type_t buft) {
     const size_t block = LLAMA_EMPANEL_READ_ALIGN;
     const size_t align = ggml_backend_buft_get_alignment(buft);
     auto phase_of = [&](const ggml_tensor * t) {
@@ -312,21 +304,73 @@ static ggml_backend_buffer_t empanel_alloc_at_phase(ggml_context * ctx, ggml_bac
     return buf;
 }
 
+// a token's experts must fit a layer's pools at once (MUL_MAT_ID's slot ids, and the masked
+// waves' fillers): a plan with fewer slots is refused here, not asserted in the graph
+static void llama_empanel_check_top_k(const llama_model * model) {
+    for (uint32_t il = 0; il < g_load->n_slots.size() && il < model->hparams.n_layer_all; il++) {
+        const int32_t  n    = g_load->n_slots[il];
+        const uint32_t topk = model->hparams.n_expert_used(il);
+        if (n > 0 && (uint32_t) n < topk) {
+            throw std::runtime_error(format("empanel: layer %u has %d slots, fewer than the %u experts a token "
+                    "uses: plan at least top-k slots per layer", il, n, topk));
+        }
+    }
+}
+
+// (st_dev, st_ino) of each file the loader read, (0, 0) where fstat fails
+static std::vector<std::pair<uint64_t, uint64_t>> llama_empanel_file_ids(const llama_files & files) {
+    std::vector<std::pair<uint64_t, uint64_t>> ids;
+#ifndef _WIN32
+    for (const auto & file : files) {
+        struct stat st;
+        const bool ok = fstat(file->file_id(), &st) == 0;
+        ids.emplace_back(ok ? (uint64_t) st.st_dev : 0, ok ? (uint64_t) st.st_ino : 0);
+    }
+#else
+    GGML_UNUSED(files);
+#endif
+    return ids;
+}
+
+// whether the waves of pools in buf are masked. The CPU and Vulkan kernels skip other waves'
+// pairs; pools another backend's kernel may compute on (its device memory; plain host memory
+// that op offload may copy, since the scheduler copies a weight to the device once per graph)
+// mask them instead. CPU_REPACK pools are never offloaded (their buffer is not plain host memory)
+static bool llama_empanel_masks_waves(ggml_backend_buffer_t buf) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
+    const bool device_masks  = !llama_empanel_buffer_in_host_memory(buf) && (g_load->mask_all || dev == nullptr ||
+                               !llama_empanel_backend_skips_pairs(ggml_backend_dev_backend_reg(dev)));
+    const bool offload_masks = ggml_backend_buffer_is_host(buf) && (g_load->gpu || g_load->mask_all);
+    return device_masks || offload_masks;
+}
+
+// gate-ahead guesses: each paged layer guesses the next guess_depth paged layers with a router
+static void llama_empanel_wire_guesses(const std::map<int32_t, llama_empanel_layer *> & layer_of) {
+    std::vector<llama_empanel_layer *> paged; // ascending il
+    for (auto & [il, layer] : layer_of) {
+        if (!layer->observe && !layer->pinned && g_load->routers.count(il)) {
+            layer->router      = g_load->routers[il];
+            layer->router_bias = g_load->router_biases.count(il) ? g_load->router_biases[il] : nullptr;
+            layer->probs_bias  = g_load->probs_biases.count(il)  ? g_load->probs_biases[il]  : nullptr;
+            layer->guess       = g_load->guess;
+            paged.push_back(layer);
+        }
+    }
+    for (size_t i = 0; i < paged.size(); i++) {
+        for (int32_t d = 1; d <= g_load->guess_depth && i + d < paged.size(); d++) {
+            paged[i]->guesses.push_back({ paged[i + d], d });
+        }
+    }
+}
+
 void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_empanel_ctxs_bufs & ctxs_bufs,
                                const llama_files & files) {
     if (!g_load || (g_load->pool_ctxs.empty() && g_load->observed.empty())) {
         return;
     }
+    llama_empanel_check_top_k(model);
     llama_empanel_model entry;
-#ifndef _WIN32
-    for (const auto & file : files) {
-        struct stat st;
-        const bool ok = fstat(file->file_id(), &st) == 0;
-        entry.files.emplace_back(ok ? (uint64_t) st.st_dev : 0, ok ? (uint64_t) st.st_ino : 0);
-    }
-#else
-    GGML_UNUSED(files);
-#endif
+    entry.files = llama_empanel_file_ids(files);
     std::map<int32_t, llama_empanel_layer *> layer_of; // il -> its remap state
     auto layer_for = [&](int32_t il, bool observe) {
         if (layer_of.find(il) == layer_of.end()) {
@@ -348,16 +392,6 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
         return layer_of[il];
     };
 
-    // a token's experts must fit a layer's pools at once (MUL_MAT_ID's slot ids, and the masked
-    // waves' fillers): a plan with fewer slots is refused here, not asserted in the graph
-    for (uint32_t il = 0; il < g_load->n_slots.size() && il < model->hparams.n_layer_all; il++) {
-        const int32_t  n    = g_load->n_slots[il];
-        const uint32_t topk = model->hparams.n_expert_used(il);
-        if (n > 0 && (uint32_t) n < topk) {
-            throw std::runtime_error(format("empanel: layer %u has %d slots, fewer than the %u experts a token "
-                    "uses: plan at least top-k slots per layer", il, n, topk));
-        }
-    }
     for (auto & [buft, ctx_ptr] : g_load->pool_ctxs) {
         ggml_context * ctx = ctx_ptr.get();
         ggml_backend_buffer_t buf;
@@ -367,7 +401,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
                 t->buffer = buf;
             }
         } else {
-            buf = ggml_backend_buft_is_host(buft) ? empanel_alloc_at_phase(ctx, buft)
+            buf = ggml_backend_buft_is_host(buft) ? llama_empanel_alloc_at_phase(ctx, buft)
                                                   : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
             if (buf == nullptr) {
                 throw std::runtime_error(format("empanel: unable to allocate the %s slot pools", ggml_backend_buft_name(buft)));
@@ -375,7 +409,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
             // never-loaded slots hold zeros, never NaN garbage. Host pools are zeroed by the
             // sidecar page by page instead (csrc/backend.c), so that slots that
             // hold no expert take no memory.
-            if (!empanel_buffer_in_host_memory(buf)) {
+            if (!llama_empanel_buffer_in_host_memory(buf)) {
                 ggml_backend_buffer_clear(buf, 0);
             }
         }
@@ -384,17 +418,9 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
                 ggml_backend_buffer_name(buf), ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
 
         for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
-            llama_empanel_layer * layer = layer_for(empanel_expert_weight_layer(ggml_get_name(t)), false);
+            llama_empanel_layer * layer = layer_for(llama_empanel_expert_weight_layer(ggml_get_name(t)), false);
             layer->n_pools++;
-            // the CPU and Vulkan kernels skip other waves' pairs; pools another backend's kernel
-            // may compute on (its device memory; plain host memory that op offload may copy, since
-            // the scheduler copies a weight to the device once per graph) mask them instead.
-            // CPU_REPACK pools are never offloaded (their buffer is not plain host memory)
-            ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf));
-            const bool device_masks  = !empanel_buffer_in_host_memory(buf) && (g_load->mask_all || dev == nullptr ||
-                                       !empanel_backend_skips_pairs(ggml_backend_dev_backend_reg(dev)));
-            const bool offload_masks = ggml_backend_buffer_is_host(buf) && (g_load->gpu || g_load->mask_all);
-            if (device_masks || offload_masks) {
+            if (llama_empanel_masks_waves(buf)) {
                 layer->masked.insert(t);
             }
             entry.pools[ggml_get_name(t)] = t;
@@ -405,22 +431,7 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
     }
     g_load->pool_ctxs.clear();
 
-    // gate-ahead guesses: each paged layer guesses the next guess_depth paged layers with a router
-    std::vector<llama_empanel_layer *> paged; // ascending il
-    for (auto & [il, layer] : layer_of) {
-        if (!layer->observe && !layer->pinned && g_load->routers.count(il)) {
-            layer->router      = g_load->routers[il];
-            layer->router_bias = g_load->router_biases.count(il) ? g_load->router_biases[il] : nullptr;
-            layer->probs_bias  = g_load->probs_biases.count(il)  ? g_load->probs_biases[il]  : nullptr;
-            layer->guess       = g_load->guess;
-            paged.push_back(layer);
-        }
-    }
-    for (size_t i = 0; i < paged.size(); i++) {
-        for (int32_t d = 1; d <= g_load->guess_depth && i + d < paged.size(); d++) {
-            paged[i]->guesses.push_back({ paged[i + d], d });
-        }
-    }
+    llama_empanel_wire_guesses(layer_of);
     entry.observed = std::move(g_load->observed);
     g_load->observed.clear();
     if (std::any_of(entry.layers.begin(), entry.layers.end(), [](const auto & layer) { return !layer->pinned; })) {
@@ -429,10 +440,10 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
 
     std::lock_guard<std::mutex> lock(g_mutex);
     for (auto & [name, t] : entry.pools) {
-        g_pool_layer[t] = layer_of.at(empanel_expert_weight_layer(name.c_str()));
+        g_pool_layer[t] = layer_of.at(llama_empanel_expert_weight_layer(name.c_str()));
     }
     for (ggml_tensor * t : entry.observed) {
-        g_pool_layer[t] = layer_for(empanel_expert_weight_layer(ggml_get_name(t)), true);
+        g_pool_layer[t] = layer_for(llama_empanel_expert_weight_layer(ggml_get_name(t)), true);
     }
     g_models[model] = std::move(entry);
 }
@@ -460,14 +471,23 @@ int32_t llama_empanel_n_pools(const llama_model * model) {
     return it == g_models.end() ? 0 : (int32_t) it->second.pools.size();
 }
 
-ggml_tensor * llama_empanel_pool(const llama_model * model, const char * name) {
+bool llama_empanel_pool_info(const llama_model * model, const char * name, struct llama_empanel_pool_info * info) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_models.find(model);
     if (it == g_models.end()) {
-        return nullptr;
+        return false;
     }
     auto jt = it->second.pools.find(name);
-    return jt == it->second.pools.end() ? nullptr : jt->second;
+    if (jt == it->second.pools.end()) {
+        return false;
+    }
+    ggml_tensor * t = jt->second;
+    info->tensor     = t;
+    info->n_slots    = ggml_n_dims(t) <= 3 && t->ne[3] == 1 ? t->ne[2] : -1;
+    info->slot_bytes = (uint64_t) t->nb[2];
+    auto lt = g_pool_layer.find(t);
+    info->masked     = lt != g_pool_layer.end() && lt->second->masked.count(t) > 0;
+    return true;
 }
 
 //
@@ -488,12 +508,6 @@ int32_t llama_empanel_model_file(const llama_model * model, int32_t i, uint64_t 
     return (int32_t) files.size();
 }
 
-bool llama_empanel_pool_masked(const ggml_tensor * pool) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_pool_layer.find(pool);
-    return it != g_pool_layer.end() && it->second->masked.count(pool) > 0;
-}
-
 bool llama_empanel_is_pool(const ggml_tensor * w) {
     if (w == nullptr) {
         return false;
@@ -505,7 +519,7 @@ bool llama_empanel_is_pool(const ggml_tensor * w) {
 
 // the sidecar's remap: slot_ids [n_used, n_tokens] (contiguous) for a = expert ids [n_used,
 // n_tokens] of one wave of one pool (wave == NULL: all the layer's pools, one wave); 0 on success
-static int32_t empanel_call_remap(const llama_empanel_layer * layer, const llama_empanel_wave * wave,
+static int32_t llama_empanel_call_remap(const llama_empanel_layer * layer, const llama_empanel_wave * wave,
                                   const ggml_tensor * a, int32_t * slot_ids) {
     return layer->remap(layer->user, layer->il,
             wave ? wave->pool : nullptr, wave ? wave->wave : 0, wave ? wave->n_waves : 1,
@@ -513,40 +527,40 @@ static int32_t empanel_call_remap(const llama_empanel_layer * layer, const llama
             slot_ids, (int32_t) a->ne[0], (int32_t) a->ne[1]);
 }
 
-// CPU op: dst = slot ids of a (empanel_call_remap)
-static void empanel_remap(ggml_tensor * dst, const ggml_tensor * a, const llama_empanel_layer * layer,
+// CPU op: dst = slot ids of a (llama_empanel_call_remap)
+static void llama_empanel_run_remap(ggml_tensor * dst, const ggml_tensor * a, const llama_empanel_layer * layer,
                           const llama_empanel_wave * wave) {
-    if (empanel_call_remap(layer, wave, a, (int32_t *) dst->data) != 0) {
+    if (llama_empanel_call_remap(layer, wave, a, (int32_t *) dst->data) != 0) {
         // slot 0 exists and holds finite numbers; the sidecar's abort callback stops this graph
         memset(dst->data, 0, ggml_nbytes(dst));
     }
 }
 
-static void empanel_remap_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+static void llama_empanel_remap_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith == 0) {
-        empanel_remap(dst, a, (const llama_empanel_layer *) userdata, nullptr);
+        llama_empanel_run_remap(dst, a, (const llama_empanel_layer *) userdata, nullptr);
     }
 }
 
 // the first wave of a pool: a = expert ids
-static void empanel_wave_first_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+static void llama_empanel_wave_first_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith == 0) {
         const auto * wave = (const llama_empanel_wave *) userdata;
-        empanel_remap(dst, a, wave->layer, wave);
+        llama_empanel_run_remap(dst, a, wave->layer, wave);
     }
 }
 
 // a later wave: a = expert ids, b = one element of the previous wave's MUL_MAT_ID (only to run
 // after it)
-static void empanel_wave_next_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
+static void llama_empanel_wave_next_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     GGML_UNUSED(b);
-    empanel_wave_first_op(dst, a, ith, nth, userdata);
+    llama_empanel_wave_first_op(dst, a, ith, nth, userdata);
 }
 
 // whether a pair of this wave in row [n_used] uses slot s
-static bool empanel_row_uses_slot(const int32_t * row, const int32_t * in_wave, int32_t n_used, int32_t s) {
+static bool llama_empanel_row_uses_slot(const int32_t * row, const int32_t * in_wave, int32_t n_used, int32_t s) {
     for (int32_t j = 0; j < n_used; j++) {
         if (in_wave[j] && row[j] == s) {
             return true;
@@ -559,7 +573,7 @@ static bool empanel_row_uses_slot(const int32_t * row, const int32_t * in_wave, 
 // other waves get slots that this token's pairs of this wave do not use, distinct per token, as
 // GPU kernels assume), plane 1 whether the pair is this wave's (1) or not (0). src[0] = expert
 // ids, src[1] (later waves) = one element of the previous wave's product, only to run after it
-static void empanel_wave_masked_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+static void llama_empanel_wave_masked_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
@@ -570,7 +584,7 @@ static void empanel_wave_masked_op(ggml_tensor * dst, int ith, int nth, void * u
     const int32_t       n_tokens = (int32_t) a->ne[1];
     int32_t * slot_ids = (int32_t *) dst->data;            // [n_used, n_tokens]
     int32_t * in_wave  = slot_ids + (int64_t) n_used*n_tokens; // [n_used, n_tokens]
-    const int32_t rc = empanel_call_remap(wave->layer, wave, a, slot_ids);
+    const int32_t rc = llama_empanel_call_remap(wave->layer, wave, a, slot_ids);
     for (int32_t t = 0; t < n_tokens; t++) {
         int32_t * row  = slot_ids + (int64_t) t*n_used;
         int32_t * flag = in_wave  + (int64_t) t*n_used;
@@ -584,7 +598,7 @@ static void empanel_wave_masked_op(ggml_tensor * dst, int ith, int nth, void * u
             if (row[j] >= 0) {
                 continue;
             }
-            while (empanel_row_uses_slot(row, flag, n_used, next)) {
+            while (llama_empanel_row_uses_slot(row, flag, n_used, next)) {
                 next++;
             }
             row[j] = next++;
@@ -593,7 +607,7 @@ static void empanel_wave_masked_op(ggml_tensor * dst, int ith, int nth, void * u
 }
 
 // dst = the 0/1 mask [1, n_used, n_tokens] F32 of a masked wave's pairs; src[0] = its remap
-static void empanel_wave_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+static void llama_empanel_wave_mask_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     GGML_UNUSED(userdata);
     if (ith != 0) {
@@ -608,17 +622,17 @@ static void empanel_wave_mask_op(ggml_tensor * dst, int ith, int nth, void * use
 }
 
 // waves for a micro-batch of n_tokens x n_used pairs (1: it always fits the pools)
-static int32_t empanel_n_waves(const llama_empanel_layer * layer, int64_t n_tokens, int64_t n_used) {
+static int32_t llama_empanel_n_waves(const llama_empanel_layer * layer, int64_t n_tokens, int64_t n_used) {
     const int64_t n_pairs = n_tokens*n_used;
     if (!layer->waves || layer->n_slots >= layer->n_expert || n_pairs <= layer->n_slots) {
         return 1;
     }
     const int64_t n_distinct = std::min<int64_t>(layer->n_expert, n_pairs);
-    const int64_t per_wave   = llama_empanel_wave_experts(layer->n_slots);
+    const int64_t per_wave   = LLAMA_EMPANEL_WAVE_EXPERTS(layer->n_slots);
     return (int32_t) ((n_distinct + per_wave - 1)/per_wave);
 }
 
-static llama_empanel_layer * empanel_layer_of(const ggml_tensor * w) {
+static llama_empanel_layer * llama_empanel_layer_of(const ggml_tensor * w) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_pool_layer.find(w);
     return it == g_pool_layer.end() ? nullptr : it->second;
@@ -626,7 +640,7 @@ static llama_empanel_layer * empanel_layer_of(const ggml_tensor * w) {
 
 // CPU op: dst = a (this layer's slot ids), and the guess b (expert ids [n_used, n_tokens] of a
 // later layer) handed to the sidecar: after this layer's remap, before its experts compute
-static void empanel_guess_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
+static void llama_empanel_guess_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
@@ -639,8 +653,8 @@ static void empanel_guess_op(ggml_tensor * dst, const ggml_tensor * a, const ggm
 
 ggml_tensor * llama_empanel_build_guess(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * cur, ggml_tensor * slot_ids,
                                         int gating_op, int64_t n_used) {
-    llama_empanel_layer * layer = empanel_layer_of(w);
-    if (layer == nullptr || layer->guesses.empty() || empanel_n_waves(layer, cur->ne[1], n_used) > 1) {
+    llama_empanel_layer * layer = llama_empanel_layer_of(w);
+    if (layer == nullptr || layer->guesses.empty() || llama_empanel_n_waves(layer, cur->ne[1], n_used) > 1) {
         return slot_ids; // micro-batches in waves read their experts anyway: no guesses for them
     }
     for (llama_empanel_guess & g : layer->guesses) {
@@ -661,7 +675,7 @@ ggml_tensor * llama_empanel_build_guess(ggml_context * ctx, const ggml_tensor * 
             sel = ggml_add(ctx, sel, target->probs_bias);
         }
         ggml_tensor * top = ggml_argsort_top_k(ctx, sel, n_used); // [n_used, n_tokens]
-        slot_ids = ggml_map_custom2(ctx, slot_ids, top, empanel_guess_op, 1, &g);
+        slot_ids = ggml_map_custom2(ctx, slot_ids, top, llama_empanel_guess_op, 1, &g);
         ggml_format_name(slot_ids, "ffn_moe_slots-%d-guess-%d", layer->il, target->il);
     }
     return slot_ids;
@@ -669,7 +683,7 @@ ggml_tensor * llama_empanel_build_guess(ggml_context * ctx, const ggml_tensor * 
 
 // CPU op: dst = a (top-k ids [n_used, n_tokens]) after the sidecar's substitution; b = the top
 // n_used + n_alt choices, c = the selection scores [n_expert, n_tokens]
-static void empanel_subst_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * c,
+static void llama_empanel_subst_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, const ggml_tensor * c,
                              int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -686,7 +700,7 @@ static void empanel_subst_op(ggml_tensor * dst, const ggml_tensor * a, const ggm
 
 ggml_tensor * llama_empanel_build_subst(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * scores,
                                         ggml_tensor * selected, int gating_op, int64_t n_used) {
-    llama_empanel_layer * layer = empanel_layer_of(w);
+    llama_empanel_layer * layer = llama_empanel_layer_of(w);
     // scores must be positive probabilities for "at least r x the missing one's"
     if (layer == nullptr || layer->pinned || layer->subst == nullptr || gating_op == LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT ||
         scores->type != GGML_TYPE_F32 || !ggml_is_contiguous(scores)) {
@@ -694,61 +708,61 @@ ggml_tensor * llama_empanel_build_subst(ggml_context * ctx, const ggml_tensor * 
     }
     const int64_t n_cand = std::min<int64_t>(n_used + layer->subst_alt, scores->ne[0]);
     ggml_tensor * cand = ggml_argsort_top_k(ctx, scores, n_cand); // [n_cand, n_tokens]
-    ggml_tensor * out  = ggml_map_custom3(ctx, selected, cand, scores, empanel_subst_op, 1, layer);
+    ggml_tensor * out  = ggml_map_custom3(ctx, selected, cand, scores, llama_empanel_subst_op, 1, layer);
     ggml_format_name(out, "ffn_moe_topk_subst-%d", layer->il);
     return out;
 }
 
 ggml_tensor * llama_empanel_build_remap(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * ids) {
-    llama_empanel_layer * layer = empanel_layer_of(w);
+    llama_empanel_layer * layer = llama_empanel_layer_of(w);
     if (layer == nullptr || layer->pinned) {
         return ids; // pinned: the expert ids are the slot ids
     }
     GGML_ASSERT(ids->type == GGML_TYPE_I32 && ggml_n_dims(ids) <= 2 && ids->nb[0] == sizeof(int32_t));
-    if (empanel_n_waves(layer, ids->ne[1], ids->ne[0]) > 1) {
+    if (llama_empanel_n_waves(layer, ids->ne[1], ids->ne[0]) > 1) {
         return ids; // each pool's MUL_MAT_ID remaps its waves (llama_empanel_mul_mat_id)
     }
-    ggml_tensor * slots = ggml_map_custom1(ctx, ids, empanel_remap_op, 1, layer);
+    ggml_tensor * slots = ggml_map_custom1(ctx, ids, llama_empanel_remap_op, 1, layer);
     ggml_format_name(slots, "ffn_moe_slots-%d", layer->il);
     return slots;
 }
 
 // the op a custom map node runs (the first field of its op params)
-static void * empanel_custom_fn(const ggml_tensor * t) {
+static void * llama_empanel_custom_fn(const ggml_tensor * t) {
     void * fn = nullptr;
     memcpy(&fn, t->op_params, sizeof(fn));
     return fn;
 }
 
-static bool empanel_is_slot_ids(const ggml_tensor * t) {
+static bool llama_empanel_is_slot_ids(const ggml_tensor * t) {
     if (t == nullptr || (t->op != GGML_OP_MAP_CUSTOM1 && t->op != GGML_OP_MAP_CUSTOM2)) {
         return false;
     }
-    void * fn = empanel_custom_fn(t);
-    return fn == (void *) empanel_remap_op || fn == (void *) empanel_wave_first_op || fn == (void *) empanel_wave_next_op ||
-           fn == (void *) empanel_guess_op;
+    void * fn = llama_empanel_custom_fn(t);
+    return fn == (void *) llama_empanel_remap_op || fn == (void *) llama_empanel_wave_first_op || fn == (void *) llama_empanel_wave_next_op ||
+           fn == (void *) llama_empanel_guess_op;
 }
 
 ggml_tensor * llama_empanel_expert_ids(ggml_tensor * ids) {
-    while (ids != nullptr && ids->op == GGML_OP_MAP_CUSTOM2 && empanel_custom_fn(ids) == (void *) empanel_guess_op) {
+    while (ids != nullptr && ids->op == GGML_OP_MAP_CUSTOM2 && llama_empanel_custom_fn(ids) == (void *) llama_empanel_guess_op) {
         ids = ids->src[0]; // a guess passes the layer's slot ids through
     }
-    return empanel_is_slot_ids(ids) ? ids->src[0] : ids;
+    return llama_empanel_is_slot_ids(ids) ? ids->src[0] : ids;
 }
 
 // one masked wave of pool w: its product times its mask, added to sum (the previous waves', NULL
 // for the first); returns the new sum [ne1 of w, n_used, n_tokens]
-static ggml_tensor * empanel_masked_wave(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
+static ggml_tensor * llama_empanel_masked_wave(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids,
                                          llama_empanel_wave * wave, ggml_tensor * sum) {
     const int64_t n_used   = ids->ne[0];
     const int64_t n_tokens = ids->ne[1];
     // the remap waits on one element of the previous sum (a device result: 4 bytes to the host)
     ggml_tensor * args[2] = { ids, sum == nullptr ? nullptr : ggml_view_1d(ctx, sum, 1, 0) };
     ggml_tensor * remap   = ggml_custom_4d(ctx, GGML_TYPE_I32, n_used, n_tokens, 2, 1, args, sum == nullptr ? 1 : 2,
-                                           empanel_wave_masked_op, 1, wave);
+                                           llama_empanel_wave_masked_op, 1, wave);
     ggml_tensor * slots   = ggml_view_2d(ctx, remap, n_used, n_tokens, remap->nb[1], 0);
     ggml_tensor * mask    = ggml_custom_4d(ctx, GGML_TYPE_F32, 1, n_used, n_tokens, 1, &remap, 1,
-                                           empanel_wave_mask_op, 1, nullptr);
+                                           llama_empanel_wave_mask_op, 1, nullptr);
     ggml_format_name(remap, "ffn_moe_slots-%d.%d", wave->layer->il, wave->wave);
     // plain host pools: a view per wave, so that op offload copies this wave's slots (the
     // scheduler copies a weight to the device once per graph)
@@ -762,12 +776,12 @@ static ggml_tensor * empanel_masked_wave(ggml_context * ctx, ggml_tensor * w, gg
 }
 
 // CPU op: dst = a (slot ids), once the experts the remap placed in pool `userdata->pool` hold their bytes
-static void empanel_ready_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+static void llama_empanel_ready_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
         return;
     }
-    const auto * ready = (const llama_empanel_wave *) userdata;
+    const auto * ready = (const llama_empanel_ready *) userdata;
     if (ready->layer->ready(ready->layer->user, ready->layer->il, ready->pool) == 0) {
         memcpy(dst->data, a->data, ggml_nbytes(a));
     } else {
@@ -777,35 +791,35 @@ static void empanel_ready_op(ggml_tensor * dst, const ggml_tensor * a, int ith, 
 
 // one wave over pool w (ids: the layer's slot ids): in host memory, the MUL_MAT_ID first waits for
 // the pool's reads (llama_empanel_set_ready), while the reads of the layer's other pools go on
-static ggml_tensor * empanel_ready_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
-    llama_empanel_layer * layer = empanel_layer_of(w);
+static ggml_tensor * llama_empanel_ready_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
+    llama_empanel_layer * layer = llama_empanel_layer_of(w);
     if (layer == nullptr || layer->ready == nullptr || layer->pinned || layer->observe ||
-        w->buffer == nullptr || !empanel_buffer_in_host_memory(w->buffer)) {
+        w->buffer == nullptr || !llama_empanel_buffer_in_host_memory(w->buffer)) {
         return ggml_mul_mat_id(ctx, w, cur, ids);
     }
-    llama_empanel_wave * ready;
+    llama_empanel_ready * ready;
     {
         std::lock_guard<std::mutex> lock(g_mutex);
         auto & op = layer->ready_ops[w];
         if (!op) {
-            op = std::make_unique<llama_empanel_wave>(llama_empanel_wave { layer, w, 0, 1 });
+            op = std::make_unique<llama_empanel_ready>(llama_empanel_ready { layer, w });
         }
         ready = op.get();
     }
-    ggml_tensor * slots = ggml_map_custom1(ctx, ids, empanel_ready_op, 1, ready);
+    ggml_tensor * slots = ggml_map_custom1(ctx, ids, llama_empanel_ready_op, 1, ready);
     ggml_format_name(slots, "ffn_moe_slots-%d-ready", layer->il);
     return ggml_mul_mat_id(ctx, w, cur, slots);
 }
 
 ggml_tensor * llama_empanel_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml_tensor * cur, ggml_tensor * ids) {
-    if (empanel_is_slot_ids(ids)) {
-        return empanel_ready_mul_mat_id(ctx, w, cur, ids);
+    if (llama_empanel_is_slot_ids(ids)) {
+        return llama_empanel_ready_mul_mat_id(ctx, w, cur, ids);
     }
-    llama_empanel_layer * layer = empanel_layer_of(w);
+    llama_empanel_layer * layer = llama_empanel_layer_of(w);
     if (layer == nullptr || layer->observe || layer->pinned) {
         return ggml_mul_mat_id(ctx, w, cur, ids);
     }
-    const int32_t n_waves = empanel_n_waves(layer, ids->ne[1], ids->ne[0]);
+    const int32_t n_waves = llama_empanel_n_waves(layer, ids->ne[1], ids->ne[0]);
     GGML_ASSERT(n_waves > 1); // one wave: ids are the layer's slot ids (llama_empanel_build_remap)
 
     const bool masked = layer->masked.count(w) > 0;
@@ -823,14 +837,14 @@ ggml_tensor * llama_empanel_mul_mat_id(ggml_context * ctx, ggml_tensor * w, ggml
             wave = op.get();
         }
         if (masked) {
-            out = empanel_masked_wave(ctx, w, cur, ids, wave, out);
+            out = llama_empanel_masked_wave(ctx, w, cur, ids, wave, out);
             continue;
         }
         // a later wave's remap waits on one element of the previous wave's product (on a device
         // pool: 4 bytes to the host)
         ggml_tensor * slots = out == nullptr
-            ? ggml_map_custom1(ctx, ids, empanel_wave_first_op, 1, wave)
-            : ggml_map_custom2(ctx, ids, ggml_view_1d(ctx, out, 1, 0), empanel_wave_next_op, 1, wave);
+            ? ggml_map_custom1(ctx, ids, llama_empanel_wave_first_op, 1, wave)
+            : ggml_map_custom2(ctx, ids, ggml_view_1d(ctx, out, 1, 0), llama_empanel_wave_next_op, 1, wave);
         ggml_format_name(slots, "ffn_moe_slots-%d.%d", layer->il, iw);
 
         if (out == nullptr) {
@@ -860,7 +874,7 @@ void llama_empanel_each_mul_mat_id(ggml_tensor * res, const std::function<void(g
         // masked waves: sum = ADD(sum, part) ... part = MUL(MUL_MAT_ID, mask)
         ggml_tensor * part = res->op == GGML_OP_ADD ? res->src[1] : res;
         const bool ours = part->op == GGML_OP_MUL && part->src[1]->op == GGML_OP_CUSTOM &&
-                          empanel_custom_fn(part->src[1]) == (void *) empanel_wave_mask_op;
+                          llama_empanel_custom_fn(part->src[1]) == (void *) llama_empanel_wave_mask_op;
         if (!ours) {
             fn(res); // not built here: as stock
             return;
@@ -912,7 +926,7 @@ uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_t
         // per wave and pool a remap, a view and a MUL_MAT_ID (masked: also the mask, the mul and
         // the add); at most n_expert used per token (a warmup routes to all of them), and room for
         // the cb() names' views
-        n += 8u * (uint32_t) (empanel_n_waves(layer.get(), n_tokens, layer->n_expert) * layer->n_pools) + 2u;
+        n += 8u * (uint32_t) (llama_empanel_n_waves(layer.get(), n_tokens, layer->n_expert) * layer->n_pools) + 2u;
         n += 8u * (uint32_t) layer->guesses.size(); // a guess: matmul, biases, gating, top-k, the op
         n += layer->subst != nullptr ? 4u : 0u;     // substitution: top-k candidates and the op
     }
@@ -922,14 +936,14 @@ uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_t
 // ------------------------------------------------------------------------------------------------
 // RPC hosts
 
-typedef bool (*empanel_rpc_backend_failed_fn)(ggml_backend_t backend);
+typedef bool (*llama_empanel_rpc_backend_failed_fn)(ggml_backend_t backend);
 
 bool llama_empanel_hosts_ok(ggml_backend_sched_t sched) {
     // called after every decode: looked up once (ggml registers its built-in backends at start;
     // RPC servers add devices to the RPC registry, not registries of their own to look for)
     static const ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
     static const auto failed = reg == nullptr ? nullptr :
-        (empanel_rpc_backend_failed_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_backend_failed");
+        (llama_empanel_rpc_backend_failed_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_backend_failed");
     if (failed == nullptr) {
         return true;
     }

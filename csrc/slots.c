@@ -1,0 +1,237 @@
+// The slot tables of a layer: which expert each slot holds, which slot to evict (LRU, LFU with
+// decay, g-lru's one recency list over every layer), claiming and placing, and the accounting of
+// guesses and read-ahead that the tables carry. No I/O: the remap (remap.c), the read-ahead
+// (guess.c), preload (preload.c), the read batches (batch.c) and the policy lab all change the
+// tables through these functions.
+//
+// Each paged layer has n_slots slots shared by its expert tensors (gate/up/down or gate_up/down):
+// slot s of every tensor of the layer holds the same expert.
+
+#include "empanel.h"
+#include "empanel-impl.h"
+
+#include <stdlib.h>
+
+// whether slot s holds an expert that the live gate-ahead guess named (evicted last)
+static int slot_guessed(const struct empanel_layer * layer, int32_t s) {
+    const int32_t e = layer->tables.expert_in[s];
+    return layer->guess.live && e >= 0 && layer->guess.mark[e] == layer->guess.stamp;
+}
+
+// Empty slots (last_use 0, uses 0) go first under every policy; experts a live guess named go last.
+//   LRU:       least recently used
+//   LFU_DECAY: fewest uses (counts halve every n_slots micro-batches of the layer), then least recent
+int32_t empanel_slots_pick_victim(const struct empanel_layer * layer, int32_t policy, int32_t begin, int32_t end,
+                                  const uint64_t * mark, uint64_t taken) {
+    const struct empanel_tables * tb = &layer->tables;
+    int32_t  victim  = -1;
+    int      guessed = 2;
+    uint32_t fewest  = UINT32_MAX;
+    uint64_t oldest  = UINT64_MAX;
+    for (int32_t s = begin; s < end; s++) {
+        if (mark[s] == taken) {
+            continue;
+        }
+        const int      g    = slot_guessed(layer, s);
+        const uint32_t uses = policy == EMPANEL_POLICY_LFU_DECAY ? tb->uses[s] : 0;
+        if (g < guessed || (g == guessed && (uses < fewest || (uses == fewest && tb->last_use[s] < oldest)))) {
+            guessed = g;
+            fewest  = uses;
+            oldest  = tb->last_use[s];
+            victim  = s;
+        }
+    }
+    return victim;
+}
+
+void empanel_slots_note_use(struct empanel_layer * layer, int32_t s, uint64_t call) {
+    struct empanel_tables * tb = &layer->tables;
+    tb->call_mark[s] = call;
+    tb->last_use[s]  = call;
+    tb->uses[s]     += tb->uses[s] < UINT32_MAX;
+}
+
+void empanel_slots_end_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n_waves) {
+    struct empanel_tables * tb = &layer->tables;
+    layer->stats.n_remaps++;
+    layer->stats.n_waves += (uint64_t) n_waves;
+    tb->n_batches++;
+    if (pool->policy == EMPANEL_POLICY_LFU_DECAY && tb->n_batches % (uint64_t) layer->n_slots == 0) {
+        for (int32_t s = 0; s < layer->n_slots; s++) {
+            tb->uses[s] /= 2;
+        }
+    }
+}
+
+void empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    struct empanel_tables * tb = &layer->tables;
+    for (int32_t i = 0; i < n; i++) {
+        tb->expert_in[tb->victims[i]] = tb->misses[i];
+        tb->slot_of[tb->misses[i]]    = tb->victims[i];
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            empanel_lru_push_recent(pool, layer->lru_base + tb->victims[i]);
+        }
+    }
+}
+
+void empanel_slots_use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
+    empanel_slots_note_use(layer, s, call);
+    layer->stats.hits++;
+    if (pool->policy == EMPANEL_POLICY_GLRU) {
+        empanel_lru_unlink(pool, layer->lru_base + s);
+        empanel_lru_push_recent(pool, layer->lru_base + s);
+    }
+}
+
+void empanel_slots_claim(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
+    struct empanel_tables * tb = &layer->tables;
+    empanel_slots_drop_prefetch(layer, s);
+    if (tb->expert_in[s] >= 0) {
+        // the layer's own expert goes (its bytes stay counted for the one that comes)
+        tb->slot_of[tb->expert_in[s]] = -1;
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            empanel_lru_unlink(pool, layer->lru_base + s);
+        }
+    } else if (pool->policy == EMPANEL_POLICY_GLRU) {
+        empanel_glru_make_room(pool, layer->expert_bytes, call);
+        pool->glru.resident_bytes += layer->expert_bytes;
+    }
+    tb->expert_in[s] = -1;
+    tb->uses[s]      = 0;
+    empanel_slots_note_use(layer, s, call);
+}
+
+void empanel_slots_place(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, int32_t e, uint64_t call) {
+    struct empanel_tables * tb = &layer->tables;
+    empanel_slots_claim(pool, layer, s, call);
+    tb->expert_in[s] = e;
+    tb->slot_of[e]   = s;
+    if (pool->policy == EMPANEL_POLICY_GLRU) {
+        empanel_lru_push_recent(pool, layer->lru_base + s);
+    }
+}
+
+int empanel_compare_uint64(const void * a, const void * b) {
+    const uint64_t x = *(const uint64_t *) a;
+    const uint64_t y = *(const uint64_t *) b;
+    return (x > y) - (x < y);
+}
+
+void empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n) {
+    struct empanel_tables * tb = &layer->tables;
+    for (int32_t i = 0; i < n; i++) {
+        tb->order_key[i] = (uint64_t) tb->misses[i] << 32 | (uint32_t) tb->victims[i];
+    }
+    qsort(tb->order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
+    for (int32_t i = 0; i < n; i++) {
+        tb->misses[i]  = (int32_t) (tb->order_key[i] >> 32);
+        tb->victims[i] = (int32_t) (tb->order_key[i] & 0xffffffffu);
+    }
+}
+
+void empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
+    for (int32_t i = 0; i < layer->n_tensors; i++) {
+        struct empanel_tensor * t = &layer->tensors[i];
+        if (t->host != NULL) {
+            empanel_memory_release(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0);
+            t->held[slot] = -1;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// g-lru list
+
+void empanel_lru_unlink(struct empanel_pool * pool, int32_t e) {
+    const int32_t prev = pool->glru.prev[e];
+    const int32_t next = pool->glru.next[e];
+    if (prev >= 0) { pool->glru.next[prev] = next; } else { pool->glru.head = next; }
+    if (next >= 0) { pool->glru.prev[next] = prev; } else { pool->glru.tail = prev; }
+}
+
+void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e) {
+    pool->glru.prev[e] = pool->glru.tail;
+    pool->glru.next[e] = -1;
+    if (pool->glru.tail >= 0) { pool->glru.next[pool->glru.tail] = e; } else { pool->glru.head = e; }
+    pool->glru.tail = e;
+}
+
+// evict least recently used experts of any layer (none that this call uses) until `need` more
+// bytes fit in the budget; the budget yields when only this call's experts are left
+void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
+    int32_t e = pool->glru.head;
+    while (e >= 0 && pool->glru.resident_bytes + need > pool->glru.budget_bytes) {
+        const int32_t next = pool->glru.next[e];
+        struct empanel_layer  * layer = &pool->layers[pool->glru.entry_layer[e]];
+        struct empanel_tables * tb    = &layer->tables;
+        const int32_t s = e - layer->lru_base;
+        if (tb->call_mark[s] != call) {
+            empanel_lru_unlink(pool, e);
+            tb->slot_of[tb->expert_in[s]] = -1;
+            tb->expert_in[s] = -1;
+            tb->last_use[s]  = 0; // empty: taken first by its layer
+            tb->uses[s]      = 0;
+            pool->glru.resident_bytes -= layer->expert_bytes;
+            empanel_slots_drop_prefetch(layer, s);
+            empanel_slots_release(layer, s);
+        }
+        e = next;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// what the tables say of guesses and read-ahead
+
+void empanel_slots_drop_prefetch(struct empanel_layer * layer, int32_t s) {
+    if (layer->guess.prefetch_mark[s] != 0) {
+        layer->stats.prefetch_wasted += layer->expert_bytes;
+        layer->guess.prefetch_mark[s] = 0;
+    }
+}
+
+void empanel_slots_close_guess(struct empanel_layer * layer, int32_t n, uint64_t call) {
+    struct empanel_guess_state * g = &layer->guess;
+    if (g->live) {
+        layer->stats.guessed      += (uint64_t) g->n;
+        layer->stats.guess_routed += (uint64_t) n;
+        for (int32_t i = 0; i < n; i++) {
+            layer->stats.guess_hits += g->mark[layer->tables.distinct[i]] == g->stamp;
+        }
+        g->live = 0;
+    }
+    // read-ahead slots still holding their expert (others were dropped when their slot was taken)
+    for (int32_t s = 0; s < layer->n_slots; s++) {
+        if (g->prefetch_mark[s] != 0 && layer->tables.call_mark[s] == call) {
+            layer->stats.prefetch_used++;
+            g->prefetch_mark[s] = 0;
+        }
+        empanel_slots_drop_prefetch(layer, s); // not routed: wasted
+    }
+}
+
+void empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * layer) {
+    struct empanel_tables * tb = &layer->tables;
+    for (int32_t s = 0; s < layer->n_slots; s++) {
+        const int32_t e = tb->expert_in[s];
+        int held = e >= 0;
+        for (int32_t i = 0; held && i < layer->n_tensors; i++) {
+            held = layer->tensors[i].held[s] == e;
+        }
+        if (e < 0 || held) {
+            continue;
+        }
+        tb->slot_of[e]   = -1;
+        tb->expert_in[s] = -1;
+        tb->uses[s]      = 0;
+        tb->last_use[s]  = 0;
+        empanel_slots_drop_prefetch(layer, s);
+        if (pool->policy == EMPANEL_POLICY_GLRU) {
+            empanel_lru_unlink(pool, layer->lru_base + s);
+            pool->glru.resident_bytes -= layer->expert_bytes;
+            empanel_slots_release(layer, s); // the budget no longer counts it: neither does memory
+        }
+    }
+    layer->waves.open        = 0;
+    layer->guess.prefetch_open = 0;
+    layer->ready.reads_open  = 0;
+}
