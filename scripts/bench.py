@@ -13,7 +13,7 @@ if not os.environ.get("EMPANEL_BENCH_INSTALLED") and str(REPO) not in sys.path:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_targets import TITLE, targets  # noqa: E402
-from empanel_gguf.bench import main  # noqa: E402
+from empanel_gguf.lab.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(reports=[(TITLE, targets)]))

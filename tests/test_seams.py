@@ -100,11 +100,11 @@ def test_sidecar_units_have_no_circles():
 def test_counters_are_declared_once():
     """The counters of EMPANEL_LAYER_COUNTERS are the C struct (as cffi sees it), the names Python
     reports, and the metric names; nothing else lists them."""
-    from empanel_gguf import _native
-    from empanel_gguf.header import COUNTERS
-    from empanel_gguf.stats import NAMES, layer_stats
+    from empanel_gguf.engine import native
+    from empanel_gguf.engine.header import COUNTERS
+    from empanel_gguf.engine.stats import NAMES, layer_stats
 
-    ffi = _native.native().ffi
+    ffi = native.native().ffi
     fields = [name for name, _ in ffi.typeof("struct empanel_layer_stats").fields]
     assert fields == [c.field for c in COUNTERS]
     assert all(ffi.typeof("struct empanel_layer_stats").fields[i][1].type.cname == "uint64_t"
@@ -122,23 +122,23 @@ def test_counters_are_declared_once():
 
 
 def test_pins_equal_the_hook_header():
-    """_pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
+    """engine/pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
     plain pools are placed by) are the header's."""
-    from empanel_gguf import _pins
+    from empanel_gguf.engine import pins
 
     header = (REPO / "patches" / "files" / "include" / "llama-empanel.h").read_text()
     defines = dict(re.findall(r"#define (LLAMA_EMPANEL_\w+) (\d+)", header))
-    assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == _pins.EMPANEL_API_VERSION
-    assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == _pins.READ_ALIGN
+    assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == pins.EMPANEL_API_VERSION
+    assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == pins.READ_ALIGN
 
 
 def test_policies_are_declared_once():
-    from empanel_gguf import _native
-    from empanel_gguf.header import ENGINE_POLICIES, policy_id
+    from empanel_gguf.engine import native
+    from empanel_gguf.engine.header import ENGINE_POLICIES, policy_id
 
     names = []
-    while (name := _native.native().sidecar.empanel_policy_name(len(names))) != _native.native().ffi.NULL:
-        names.append(_native.native().ffi.string(name).decode())
+    while (name := native.native().sidecar.empanel_policy_name(len(names))) != native.native().ffi.NULL:
+        names.append(native.native().ffi.string(name).decode())
     assert tuple(names) == ENGINE_POLICIES == ("lru", "lfu-decay", "g-lru")
     assert [policy_id(n) for n in names] == [0, 1, 2]
     with pytest.raises(ValueError, match="one of lru, lfu-decay, g-lru"):
@@ -154,7 +154,7 @@ def test_unknown_moe_option_is_refused(tmp_path):
 
 
 def test_moe_profile_off_means_none():
-    from empanel_gguf.plan import moe_options
+    from empanel_gguf.planning.plan import moe_options
 
     for text in ("none", "off", "OFF", ""):
         assert moe_options(moe_profile=text).profile is None
@@ -163,10 +163,10 @@ def test_moe_profile_off_means_none():
 
 def test_sidecar_of_another_build_is_refused(tmp_path):
     """A libempanel whose version differs from the empanel.h beside it is refused at once."""
-    from empanel_gguf import _native
-    from empanel_gguf.header import SIDECAR_VERSION
+    from empanel_gguf.engine import native
+    from empanel_gguf.engine.header import SIDECAR_VERSION
 
-    lib = _native.lib_dir()
+    lib = native.lib_dir()
     for path in lib.iterdir():
         if path.name != "empanel.h":
             (tmp_path / path.name).symlink_to(path)
@@ -175,7 +175,7 @@ def test_sidecar_of_another_build_is_refused(tmp_path):
                                                        f"#define EMPANEL_SIDECAR_VERSION {SIDECAR_VERSION + 1}"))
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
     env["EMPANEL_GGUF_LIB_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", "from empanel_gguf import _native; _native.native()"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", "from empanel_gguf.engine import native; native.native()"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "NativeLibraryError" in proc.stderr and "different builds" in proc.stderr, proc.stderr[-2000:]
@@ -184,8 +184,10 @@ def test_sidecar_of_another_build_is_refused(tmp_path):
 def test_faces_plan_once(tmp_path, monkeypatch):
     """A face plans with plan_load and hands the plan to Llama(moe_load=...): Llama plans nothing
     again, and its pools are the plan's."""
-    from empanel_gguf import Llama, fixtures, plan
-    from empanel_gguf.index import load_index
+    from empanel_gguf import Llama
+    from empanel_gguf.models import fixtures
+    from empanel_gguf.planning import plan
+    from empanel_gguf.planning.index import load_index
 
     path = fixtures.write_fixture("qwen3moe-q8_0", tmp_path)
     index = load_index(path)

@@ -8,7 +8,7 @@ import resource
 import time
 from pathlib import Path
 
-from ..host_memory import proc_status
+from ...planning.host_memory import proc_status
 from .host import read_sys
 from .configs import EMPANEL, MMAP
 
@@ -195,7 +195,7 @@ def child_main(spec_path: str) -> int:
     io2, moe2, dk2 = _proc_io(), _total(llm), _disk(disk)
     status = proc_status()
 
-    lib = empanel_gguf._native.lib_dir() / "libempanel.so"
+    lib = empanel_gguf.engine.native.lib_dir() / "libempanel.so"
     result = {
         "status": "ok",
         "pid": os.getpid(),
@@ -236,7 +236,7 @@ def _total(llm):
     stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
     total = dict(stats["total"]) if stats else None
     if getattr(llm, "rpc_servers", None) and total is None:  # stock: no pools, the wire still counts
-        from empanel_gguf.rpc import wire_counts
+        from empanel_gguf.engine.rpc import wire_counts
 
         total = {}
         total["wire_sent"], total["wire_received"], total["round_trips"] = wire_counts()

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from .synthetic import ModelShape, write_model
-from ..format import GiB, MiB
-from ..host_memory import meminfo
+from ...planning.format import GiB, MiB
+from ...planning.host_memory import meminfo
 from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
@@ -25,10 +25,10 @@ from .report import details_table, fmt, fmt_bytes, main_table, model_label
 
 def build_info() -> dict:
     import empanel_gguf
-    from empanel_gguf import _native, _pins
+    from empanel_gguf.engine import native, pins
 
-    info = {"empanel_gguf": str(Path(empanel_gguf.__file__).parent), "lib_dir": str(_native.lib_dir()),
-            "llama_commit": _pins.LLAMA_COMMIT, "python": sys.version.split()[0]}
+    info = {"empanel_gguf": str(Path(empanel_gguf.__file__).parent), "lib_dir": str(native.lib_dir()),
+            "llama_commit": pins.LLAMA_COMMIT, "python": sys.version.split()[0]}
     try:
         root = Path(empanel_gguf.__file__).resolve().parent.parent
         head = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
@@ -216,7 +216,7 @@ def main(argv=None, reports=()) -> int:
     else:
         model = Path(args.model)
 
-    from empanel_gguf.index import load_index
+    from empanel_gguf.planning.index import load_index
 
     index = load_index(model)
     if not index.is_moe:

@@ -93,7 +93,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
                                 seed=n, direct=bench.probe_direct)
             sample["drive"] = probe
         env = dict(os.environ)  # the child measures the very package this process uses
-        pkg_root = str(Path(__file__).resolve().parent.parent)
+        pkg_root = str(Path(__file__).resolve().parents[3])  # the folder holding empanel_gguf/
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         if cfg.bounce:
             env["EMPANEL_READ_BOUNCE"] = "1"
@@ -103,7 +103,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         t0 = time.perf_counter()
         jiffies0, self0 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "empanel_gguf.bench", "--child", str(spec_path)],
+            proc = subprocess.Popen([sys.executable, "-m", "empanel_gguf.lab.bench", "--child", str(spec_path)],
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             rusage, wait_status, timed_out = None, None, False
             while True:
