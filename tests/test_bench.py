@@ -1,4 +1,4 @@
-"""empanel-gguf bench (empanel_gguf/bench/, also scripts/bench.py): the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
+"""empanel-gguf bench (empanel_gguf/lab/bench/, also scripts/bench.py): the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
 
 The smoke run skips every root-only step (no cgroup cap, no cache drop) and takes a few seconds:
 it checks the plumbing (children, JSON, rows), not speed.

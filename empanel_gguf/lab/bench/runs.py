@@ -103,7 +103,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         t0 = time.perf_counter()
         jiffies0, self0 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "empanel_gguf.lab.bench", "--child", str(spec_path)],
+            proc = subprocess.Popen([sys.executable, "-m", "empanel_gguf", "bench", "--child", str(spec_path)],
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             rusage, wait_status, timed_out = None, None, False
             while True:
