@@ -1,6 +1,6 @@
-"""The seams hold: planning loads no library, no module imports another that imports it back,
-the sidecar's units share their helpers without circles, counters and policies are declared once
-(csrc/empanel.h) and every face plans once."""
+"""The seams hold: the layers import only downwards (planning loads no library), no module imports
+another that imports it back, the sidecar's units share their helpers without circles, counters and
+policies are declared once (csrc/empanel.h) and every face plans once."""
 
 import ast
 import os
@@ -14,12 +14,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "empanel_gguf"
 
-# planning and what it stands on: pure Python over the model's header and our cache files
-PLANNING = ("cache", "digests", "estimate", "format", "guard", "header", "host_memory", "index", "plan",
-            "plan_file", "profile", "sizing", "stats")
-# the drop-in, the native seam and the faces, which planning must never import
-ABOVE_OR_NATIVE = ("empanel_gguf._native", "empanel_gguf.llama", "empanel_gguf.pools", "empanel_gguf.rpc",
-                   "empanel_gguf.server", "empanel_gguf.commands")
+# The layers are the package's folders; every other module (llama, server, cli, commands/, ...) is
+# a face. planning/ (pure Python over the model's header and our cache files) stands below engine/
+# (the native seam and what runs on it), which stands below the faces; lab/ stands beside the
+# engine, models/ (the writers) on planning's GGUF reader.
+LAYERS = ("planning", "engine", "lab", "models")
+NATIVE = "empanel_gguf.engine.native"  # the one module that opens our libraries
+DROP_IN = "empanel_gguf.llama"  # the face the lab runs (the benchmark's child measures it)
 
 
 def _modules():
@@ -62,13 +63,32 @@ def _reach(graph, start):
     return seen
 
 
-def test_planning_imports_neither_the_drop_in_nor_the_native_seam():
+def _layer(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "faces"
+
+
+def test_layers_import_only_downwards():
+    """Read from the folders: planning and the writers reach no face, no lab and nothing of the
+    engine that reaches the native seam (the engine's declarations, pins and header, load no
+    library); the engine reaches no face, lab or writer; the lab no face but the drop-in."""
     mods = _modules()
+    assert all((PACKAGE / layer / "__init__.py").is_file() for layer in LAYERS)
     graph = {name: _imports(name, path, mods, top_level_only=False) for name, path in mods.items()}
-    for module in PLANNING:
-        reached = _reach(graph, f"empanel_gguf.{module}")
-        bad = sorted(m for m in reached if m.startswith(ABOVE_OR_NATIVE))
-        assert not bad, f"empanel_gguf.{module} imports {bad} (directly or through others)"
+    seam = {m for m in mods if _layer(m) == "engine" and (m == NATIVE or NATIVE in _reach(graph, m))}
+    assert {NATIVE, "empanel_gguf.engine.pools", "empanel_gguf.engine.rpc"} <= seam  # the rule can fail
+    forbidden = {
+        "planning": lambda m: _layer(m) in ("faces", "lab", "models") or m in seam,
+        "models": lambda m: _layer(m) in ("faces", "lab") or m in seam,
+        "engine": lambda m: _layer(m) in ("faces", "lab", "models"),
+        "lab": lambda m: _layer(m) == "faces" and m != DROP_IN,
+    }
+    for module in sorted(mods):
+        layer = _layer(module)
+        if layer == "faces":
+            continue
+        bad = sorted(m for m in _reach(graph, module) if forbidden[layer](m))
+        assert not bad, f"{module} ({layer}/) imports {bad} (directly or through others)"
 
 
 def test_no_module_level_import_circles():
