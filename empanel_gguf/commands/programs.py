@@ -32,7 +32,7 @@ PROGRAMS = ("llama-server", "llama-cli", "llama-bench", "llama-perplexity")
 
 def programs_dir():
     """Where the programs are: EMPANEL_GGUF_PROGRAMS_DIR, else programs/ next to the library
-    folder (_native.lib_dir(), the package's lib/ unless EMPANEL_GGUF_LIB_DIR names another
+    folder (engine.native.lib_dir(), the package's lib/ unless EMPANEL_GGUF_LIB_DIR names another
     build's): a program loads the libllama of ../lib, and its sidecar must be that build's."""
     from ..engine.native import lib_dir
 

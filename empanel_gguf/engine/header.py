@@ -41,7 +41,7 @@ class Counter:
 
 def lib_dir():
     """Where our libllama, libggml*, libempanel and empanel.h live: EMPANEL_GGUF_LIB_DIR, else the
-    package's lib/ (_native loads the libraries from here)."""
+    package's lib/ (native.py loads the libraries from here)."""
     return Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_DIR / "lib")
 
 
