@@ -2,12 +2,12 @@
 
 Each MoE layer keeps a pool of expert slots; the experts the router picks are read from the
 unmodified GGUF file on demand. Importing this package makes llama_cpp use empanel-gguf's own
-build of llama.cpp (see _native.py), so import it before llama_cpp.
+build of llama.cpp (see engine/native.py), so import it before llama_cpp.
 """
 
 __version__ = "0.1.0"
 
-from ._native import NativeLibraryError, use_our_libraries
+from .engine.native import NativeLibraryError, use_our_libraries
 
 llama_cpp = use_our_libraries()
 

@@ -14,17 +14,17 @@ import threading
 import time
 from pathlib import Path
 
-from ._native import use_our_libraries
-from .estimate import set_offload_probe, set_unified_probe
-from .format import format_bytes
-from .index import ModelError, load_index
-from .plan import moe_options, plan_load, print_notices
-from .pools import ExpertPools, MoeReadError
-from .rpc import lost_error, lost_servers, offload_devices, unified_devices
-from .rpc import use_servers as use_rpc_servers
-from .rpc import wire_counts as rpc_wire_counts
-from .sizing import DEFAULT_POLICY
-from .stats import summary_line
+from .engine.native import use_our_libraries
+from .planning.estimate import set_offload_probe, set_unified_probe
+from .planning.format import format_bytes
+from .planning.index import ModelError, load_index
+from .planning.plan import moe_options, plan_load, print_notices
+from .engine.pools import ExpertPools, MoeReadError
+from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
+from .engine.rpc import use_servers as use_rpc_servers
+from .engine.rpc import wire_counts as rpc_wire_counts
+from .planning.sizing import DEFAULT_POLICY
+from .engine.stats import summary_line
 
 llama_cpp = use_our_libraries()
 set_offload_probe(lambda: offload_devices() > 0)  # the estimate's question, answered by this build
@@ -190,7 +190,7 @@ class Llama(llama_cpp.Llama):
 
     def moe_take_trace(self):
         """Routing recorded since the last call (moe_trace=True): int32 [layer, n_tokens, n_used,
-        expert ids...] per micro-batch and MoE layer; see empanel_gguf.trace."""
+        expert ids...] per micro-batch and MoE layer; see empanel_gguf.lab.trace."""
         if self._experts is None:
             raise ValueError("no routing trace: load with moe_trace=True (a MoE model)")
         return self._experts.take_trace()
@@ -317,7 +317,7 @@ def _preload(experts, verbose):
 def _plan(model_path, moe_slots, options, kwargs):
     """Llama's own plan (when no moe_load is given): explicit slots as asked, without the memory
     guard; "auto" the most slots that fit (warning, never refusing, when even those do not)."""
-    from .estimate import DEFAULT_N_CTX
+    from .planning.estimate import DEFAULT_N_CTX
 
     index = load_index(model_path, mtp=options.mtp)
     llama_kwargs = dict(kwargs)

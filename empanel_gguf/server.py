@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import llama_cpp  # our libraries first
-from .host_memory import available_memory, parse_floor, peak_rss
-from .plan import moe_options, parse_moe_slots, plan_load, print_notices
-from .sizing import DEFAULT_POLICY
-from .stats import COUNTERS
+from .planning.host_memory import available_memory, parse_floor, peak_rss
+from .planning.plan import moe_options, parse_moe_slots, plan_load, print_notices
+from .planning.sizing import DEFAULT_POLICY
+from .engine.stats import COUNTERS
 from .llama import Llama as EmpanelLlama
-from .rpc import use_servers as use_rpc_servers
+from .engine.rpc import use_servers as use_rpc_servers
 
 try:
     import llama_cpp.server.app as _app
@@ -185,7 +185,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             self._current_model = None
 
     def load_llama_from_model_settings(self, settings):
-        from .index import load_index
+        from .planning.index import load_index
 
         alias = settings.model_alias or settings.model
         rpc_servers = getattr(settings, "rpc_servers", None)

@@ -71,7 +71,7 @@ def run(path, moe_slots, variant):
 
 
 def check(path, variant="plain"):
-    from empanel_gguf.index import load_index
+    from empanel_gguf.planning.index import load_index
 
     path = Path(path)
     out = {"file": path.name, "variant": variant, "runs": []}

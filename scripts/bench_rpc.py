@@ -42,11 +42,12 @@ sys.path.insert(0, str(REPO))  # this checkout's empanel_gguf, not an installed 
 from empanel_gguf.commands.programs import program_path  # noqa: E402
 
 MiB = 1 << 20
-from empanel_gguf.profile import DEFAULT_TEXT as TEXT  # noqa: E402  (prose that does not repeat)
+from empanel_gguf.planning.profile import DEFAULT_TEXT as TEXT  # noqa: E402  (prose that does not repeat)
 
 CHILD = textwrap.dedent("""
     import json, os, statistics, sys, time
-    from empanel_gguf import Llama, rpc
+    from empanel_gguf import Llama
+    from empanel_gguf.engine import rpc
 
     spec = json.loads(sys.argv[1])
     kw = dict(n_ctx=spec["n_ctx"], n_threads=spec["threads"], n_threads_batch=spec["threads"], verbose=False)

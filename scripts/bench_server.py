@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's empanel_gguf, not an installed one
 
-from empanel_gguf.bench.host import MemCgroup, Readahead, block_queue_dir, drop_caches  # noqa: E402
+from empanel_gguf.lab.bench.host import MemCgroup, Readahead, block_queue_dir, drop_caches  # noqa: E402
 from empanel_gguf.commands.programs import program_path  # noqa: E402
 
 GiB = 1 << 30

@@ -1,10 +1,10 @@
 """Issue 4's targets for `empanel-gguf bench`, each measured or said why not: printed by
 `python scripts/bench.py ...` after the tables (kept out of the shipped package)."""
 
-from empanel_gguf.bench.configs import CAP, CAP_NONE, EMPANEL, MMAP, STOCK
-from empanel_gguf.bench.report import fmt, fmt_bytes, kv_bytes
-from empanel_gguf.bench.runs import find_row, median
-from empanel_gguf.sizing import DEFAULT_POLICY, plan_slots
+from empanel_gguf.lab.bench.configs import CAP, CAP_NONE, EMPANEL, MMAP, STOCK
+from empanel_gguf.lab.bench.report import fmt, fmt_bytes, kv_bytes
+from empanel_gguf.lab.bench.runs import find_row, median
+from empanel_gguf.planning.sizing import DEFAULT_POLICY, plan_slots
 
 TITLE = "targets (issue 4)"
 

@@ -54,7 +54,7 @@ def mutate(data: bytes, header_end: int, rng: random.Random) -> tuple[bytes, lis
 
 def header_end(path: Path) -> int:
     """Where the tensor data begins: the header region ends there."""
-    from empanel_gguf.index import load_index
+    from empanel_gguf.planning.index import load_index
 
     return load_index(path).shards[0].data_offset
 

@@ -47,7 +47,8 @@ def _options():
 
 def base_plan(model: Path) -> str:
     """The plan a load of MODEL at SLOTS slots hands the sidecar (captured from a real load)."""
-    from empanel_gguf import Llama, pools
+    from empanel_gguf import Llama
+    from empanel_gguf.engine import pools
 
     captured = []
     write = pools.load_text
@@ -113,7 +114,7 @@ def mutate(text: str, rng: random.Random) -> tuple[str, list]:
 
 
 def _open_plan(text: str, model: Path) -> None:
-    from empanel_gguf._native import native
+    from empanel_gguf.engine.native import native
 
     n = native()
     err = n.ffi.new("char[]", 512)
@@ -127,14 +128,15 @@ def _open_plan(text: str, model: Path) -> None:
 
 
 def _load_with_plan(text: str, model: Path) -> None:
-    from empanel_gguf import Llama, pools
-    from empanel_gguf._native import NativeLibraryError
+    from empanel_gguf import Llama
+    from empanel_gguf.engine import pools
+    from empanel_gguf.engine.native import NativeLibraryError
 
     write = pools.load_text
     pools.load_text = lambda load, *args, **kwargs: text
     try:
         llm = Llama(str(model), **_options())
-    except NativeLibraryError as e:  # the sidecar refused the plan or the pools (pools.py), and said why
+    except NativeLibraryError as e:  # the sidecar refused the plan or the pools (engine/pools.py), and said why
         raise ValueError(str(e)) from None
     finally:
         pools.load_text = write

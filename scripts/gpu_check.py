@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from empanel_gguf import Llama, fixtures  # noqa: E402
-from empanel_gguf.exactness import greedy_logits  # noqa: E402
+from empanel_gguf import Llama  # noqa: E402
+from empanel_gguf.models import fixtures  # noqa: E402
+from empanel_gguf.lab.exactness import greedy_logits  # noqa: E402
 
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 DEFAULT_FIXTURES = ("qwen3moe-f16", "qwen3moe-q4_0", "qwen3moe-q4_k", "qwen2moe", "deepseek2",

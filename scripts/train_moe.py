@@ -22,8 +22,8 @@ Steps (each can be run alone; all state lives in --work, default ~/.cache/empane
              (rounded) weights: logits at every position of a few prompts; the same against a
              temporary all-F32 GGUF; samples.
   report     routing: expert-usage entropy per layer, router entropy, overlap with the previous
-             token; a trace of generated text (empanel_gguf.trace) replayed through LRU, g-lru,
-             LFU-decay and Belady (empanel_gguf.replay), and a random-routing baseline.
+             token; a trace of generated text (empanel_gguf.lab.trace) replayed through LRU, g-lru,
+             LFU-decay and Belady (empanel_gguf.lab.replay), and a random-routing baseline.
   provenance empanel_gguf/models/PROVENANCE.md from the records of the steps above.
 
 The model mirrors llama.cpp's qwen3moe graph (src/models/qwen3moe.cpp, build_moe_ffn): RMSNorm,
@@ -146,7 +146,7 @@ def split_work(text: str) -> tuple[str, str]:
 
 
 def byte_chars() -> dict[int, str]:
-    from empanel_gguf import fixtures
+    from empanel_gguf.models import fixtures
     return fixtures.bytes_to_unicode()  # GPT-2's byte -> printable character map
 
 
@@ -250,7 +250,7 @@ class PyBPE:
 
 def add_tokenizer(w, tokens, merges):
     import gguf
-    from empanel_gguf import gguf_writer
+    from empanel_gguf.models import gguf_writer
 
     vocab = list(tokens) + list(gguf_writer.CONTROL_TOKENS)
     types = [int(gguf.TokenType.NORMAL)] * len(tokens) + [int(gguf.TokenType.CONTROL)] * len(
@@ -260,7 +260,7 @@ def add_tokenizer(w, tokens, merges):
 
 
 def add_hparams(w, cfg: Config):
-    from empanel_gguf import gguf_writer
+    from empanel_gguf.models import gguf_writer
 
     gguf_writer.add_model_hparams(w, n_ctx=cfg.n_ctx, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                                   n_head_kv=cfg.n_head_kv, rms_eps=cfg.rms_eps, rope_base=cfg.rope_base,
@@ -632,7 +632,7 @@ def rounded(values, qtype):
 def step_export(work: Path, cfg: Config, out: Path, all_f32=False):
     import gguf
 
-    from empanel_gguf import fixtures
+    from empanel_gguf.models import fixtures
     model, tokens, merges, state = load_trained(work, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -802,7 +802,7 @@ def record_trace(out: Path, cfg: Config, path: Path, threads: int):
     until the context is full; recorded by llama.cpp (moe_trace, every expert resident)."""
     import empanel_gguf  # noqa: F401
     from empanel_gguf import Llama
-    from empanel_gguf.recorder import Recorder
+    from empanel_gguf.lab.recorder import Recorder
 
     llm = Llama(str(out), n_ctx=cfg.n_ctx, moe_trace=True, verbose=False, n_threads=threads, seed=0)
     rec = Recorder(llm)
@@ -834,7 +834,7 @@ def random_like(trace, seed=0):
 
 
 def step_report(work: Path, cfg: Config, out: Path, threads: int):
-    from empanel_gguf.replay import replay
+    from empanel_gguf.lab.replay import replay
 
     routing = routing_on_val(work, cfg)
     trace, texts = record_trace(out, cfg, work / "trace.npz", threads)
@@ -980,7 +980,7 @@ def step_provenance(work: Path, cfg: Config, out: Path):
             f"{layer_row['min_share']:.1%} | {layer_row['prev_token_overlap']:.1%} |")
     add("")
     rp = rep["replay"]
-    add(f"**Cache replay** (`empanel_gguf.replay`): a trace (`empanel_gguf.recorder.Recorder`, every "
+    add(f"**Cache replay** (`empanel_gguf.lab.replay`): a trace (`empanel_gguf.lab.recorder.Recorder`, every "
         f"expert resident) of {len(TRACE_PROMPTS)} generations (BOS + a short prompt, then sampled "
         f"at temperature 0.8 until the {cfg.n_ctx}-token context is full; {rep['trace']['n_decode']} "
         "decode tokens counted, prompt tokens warm the cache), replayed per policy at slots per "

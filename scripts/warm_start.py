@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:
 from empanel_gguf import Llama  # noqa: E402
 from empanel_gguf.commands.options import BUILTIN_MODEL  # noqa: E402
 from empanel_gguf.commands.calibrate import calibrate  # noqa: E402
-from empanel_gguf.profile import save_profile  # noqa: E402
+from empanel_gguf.planning.profile import save_profile  # noqa: E402
 
 PROMPT = b"ROMEO. What light is this?"
 

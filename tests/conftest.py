@@ -15,7 +15,7 @@ from pathlib import Path
 _REPO = Path(__file__).resolve().parent.parent
 
 _PROFILES = tempfile.mkdtemp(prefix="empanel-test-profiles-")
-os.environ["EMPANEL_PROFILE_DIR"] = _PROFILES  # read by empanel_gguf.cache.cache_dir, children too
+os.environ["EMPANEL_PROFILE_DIR"] = _PROFILES  # read by empanel_gguf.planning.cache.cache_dir, children too
 
 
 def _missing_part(message, require_env=None):

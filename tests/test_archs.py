@@ -72,8 +72,8 @@ def mtp_models(tmp_path_factory):
     every tensor the loader makes with load_mtp, the per-tensor `.scale`/`.input_scale` of the
     MTP block included, which real files do not carry and a stock load without load_mtp would
     count as missing: they are dropped from the copy tested."""
-    from empanel_gguf.gguf_writer import copy_without_tensors
-    from empanel_gguf.index import MTP_ARCHS, load_index
+    from empanel_gguf.models.gguf_writer import copy_without_tensors
+    from empanel_gguf.planning.index import MTP_ARCHS, load_index
 
     binary = require_archs_writer()
     out = tmp_path_factory.mktemp("mtp-models")
@@ -181,8 +181,8 @@ def test_pools_planned_for_a_block_llama_cpp_skips_are_named(mtp_models):
     code = (
         "import sys\n"
         "from empanel_gguf import Llama\n"
-        "from empanel_gguf.index import load_index\n"
-        "from empanel_gguf.plan import moe_options, plan_load\n"
+        "from empanel_gguf.planning.index import load_index\n"
+        "from empanel_gguf.planning.plan import moe_options, plan_load\n"
         f"index = load_index({str(path)!r}, mtp=True)\n"
         "load = plan_load(index, 2, {'n_ctx': 256}, options=moe_options(moe_profile=None), guard=False)\n"
         "try:\n"
@@ -193,7 +193,7 @@ def test_pools_planned_for_a_block_llama_cpp_skips_are_named(mtp_models):
         "sys.exit(1)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    from empanel_gguf.index import load_index
+    from empanel_gguf.planning.index import load_index
 
     layer = load_index(path).mtp_layers[0]
     assert f"blk.{layer}.ffn_down_exps.weight" in proc.stdout, proc.stdout

@@ -1,4 +1,4 @@
-"""empanel-gguf bench (empanel_gguf/bench/, also scripts/bench.py): the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
+"""empanel-gguf bench (empanel_gguf/lab/bench/, also scripts/bench.py): the synthetic Q4_K writer, and a smoke run of the benchmark on a tiny model.
 
 The smoke run skips every root-only step (no cgroup cap, no cache drop) and takes a few seconds:
 it checks the plumbing (children, JSON, rows), not speed.
@@ -22,7 +22,7 @@ TINY = ["--layers", "2", "--experts", "16", "--top-k", "4", "--embd", "256", "--
 
 @pytest.fixture(scope="module")
 def bench():
-    from empanel_gguf import bench as module
+    from empanel_gguf.lab import bench as module
 
     return module
 
@@ -122,7 +122,7 @@ def test_command_and_script_reach_the_bench(tmp_path):
 
 
 def test_config_options_reach_llama():
-    from empanel_gguf.bench.configs import parse_config
+    from empanel_gguf.lab.bench.configs import parse_config
 
     (cfg,) = parse_config("empanel-25%/lfu-decay/prefetch=2/guess=off@cap", top_k=8)
     assert cfg.moe_slots == "25%" and cfg.moe_policy == "lfu-decay" and cfg.cap == "cap"

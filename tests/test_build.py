@@ -1,4 +1,4 @@
-"""The build's source step (scripts/llama_source.py) and the native seam (empanel_gguf/_native.py).
+"""The build's source step (scripts/llama_source.py) and the native seam (empanel_gguf/engine/native.py).
 
 The patch step is exercised on throwaway trees, the real patches on the pinned llama.cpp.
 """
@@ -211,9 +211,9 @@ def run_python(code, **env):
 def test_import_loads_our_library_and_checks_it():
     proc = run_python("""
         import empanel_gguf, llama_cpp
-        from empanel_gguf import _native
+        from empanel_gguf.engine import native
         print(llama_cpp.llama_cpp._lib._name)
-        print(_native.native().sidecar.empanel_sidecar_version())
+        print(native.native().sidecar.empanel_sidecar_version())
     """)
     assert proc.returncode == 0, proc.stderr
     loaded, version = proc.stdout.split()
@@ -222,17 +222,17 @@ def test_import_loads_our_library_and_checks_it():
 
 
 def _lib_dir():
-    from empanel_gguf import _native
+    from empanel_gguf.engine import native
 
-    return _native.lib_dir()
+    return native.lib_dir()
 
 
 def test_struct_sizes_match_the_ctypes_mirrors():
     import empanel_gguf
-    from empanel_gguf import _native
+    from empanel_gguf.engine import native
 
-    size_fn = _native.native().sidecar.empanel_struct_size  # sizeof() as our build compiled llama.h
-    for name in _native.MIRRORED_STRUCTS:
+    size_fn = native.native().sidecar.empanel_struct_size  # sizeof() as our build compiled llama.h
+    for name in native.MIRRORED_STRUCTS:
         assert size_fn(name.encode()) == ctypes.sizeof(getattr(empanel_gguf.llama_cpp.llama_cpp, name))
     assert size_fn(b"no_such_struct") == 0
 
@@ -243,27 +243,27 @@ def test_bindings_of_another_struct_layout_are_refused():
     import types
 
     import empanel_gguf
-    from empanel_gguf import _native
+    from empanel_gguf.engine import native
 
     real = empanel_gguf.llama_cpp.llama_cpp
-    _native._check_struct_sizes(types.SimpleNamespace(llama_cpp=real))  # the real bindings pass
+    native._check_struct_sizes(types.SimpleNamespace(llama_cpp=real))  # the real bindings pass
 
     class Longer(ctypes.Structure):
         _fields_ = list(real.llama_context_params._fields_) + [("one_more", ctypes.c_int64)]
 
-    bindings = types.SimpleNamespace(**{name: getattr(real, name) for name in _native.MIRRORED_STRUCTS})
+    bindings = types.SimpleNamespace(**{name: getattr(real, name) for name in native.MIRRORED_STRUCTS})
     bindings.llama_context_params = Longer
-    with pytest.raises(_native.NativeLibraryError, match=r"ABI mismatch: sizeof\(llama_context_params\)"):
-        _native._check_struct_sizes(types.SimpleNamespace(llama_cpp=bindings))
+    with pytest.raises(native.NativeLibraryError, match=r"ABI mismatch: sizeof\(llama_context_params\)"):
+        native._check_struct_sizes(types.SimpleNamespace(llama_cpp=bindings))
 
 
 def test_library_without_hooks_is_refused():
     """A real library that lacks our API (libggml-base) stands in for a foreign libllama."""
-    from empanel_gguf import _native
+    from empanel_gguf.engine import native
 
-    foreign = ctypes.CDLL(str(_native.lib_dir() / _native._shared_lib_name("ggml-base")))
-    with pytest.raises(_native.NativeLibraryError, match="without the empanel hooks"):
-        _native._check_llama(foreign, "libggml-base")
+    foreign = ctypes.CDLL(str(native.lib_dir() / native._shared_lib_name("ggml-base")))
+    with pytest.raises(native.NativeLibraryError, match="without the empanel hooks"):
+        native._check_llama(foreign, "libggml-base")
 
 
 def test_llama_cpp_imported_first_with_our_library_is_accepted():

@@ -12,8 +12,8 @@ import pytest
 
 from empanel_gguf import Llama
 from empanel_gguf.commands.options import BUILTIN_MODEL, default_model_path
-from empanel_gguf.exactness import greedy_logits
-from empanel_gguf.index import load_index
+from empanel_gguf.lab.exactness import greedy_logits
+from empanel_gguf.planning.index import load_index
 
 pytestmark = pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="the built-in model is not shipped here")
 
@@ -55,7 +55,7 @@ def test_routing_is_learned(index):
     The model is small and was trained with a load-balancing loss, so the margins are modest
     (models/PROVENANCE.md: 4.66-4.86 bits of 5 here, random 4.95-4.97); routing is deterministic,
     so they do not flake."""
-    from empanel_gguf.recorder import Recorder
+    from empanel_gguf.lab.recorder import Recorder
 
     llm = Llama(str(BUILTIN_MODEL), n_ctx=256, moe_trace=True, logits_all=True, verbose=False,
                 seed=0)  # logits_all: the last layer runs every token too

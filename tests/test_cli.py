@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 
-from empanel_gguf import Llama, fixtures, estimate, guard, host_memory, plan
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.planning import estimate, guard, host_memory, plan
 from empanel_gguf.commands import programs as programs_cmd
-from empanel_gguf.index import load_index
-from empanel_gguf.sizing import plan_slots
+from empanel_gguf.planning.index import load_index
+from empanel_gguf.planning.sizing import plan_slots
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 60  # seconds, any one command

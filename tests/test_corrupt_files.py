@@ -18,8 +18,9 @@ import gguf
 import pytest
 from conftest import child_env
 
-from empanel_gguf import Llama, fixtures
-from empanel_gguf.index import ModelError
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.planning.index import ModelError
 from empanel_gguf.commands.options import BUILTIN_MODEL
 
 REPO = Path(__file__).resolve().parent.parent

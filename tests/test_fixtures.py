@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from empanel_gguf import fixtures
+from empanel_gguf.models import fixtures
 
 PROMPT = b"Hello the world, and this is a test"
 N_GENERATE = 8

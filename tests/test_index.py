@@ -1,4 +1,4 @@
-"""empanel_gguf.index and `empanel-gguf inspect`, checked against llama.cpp's own GGUF parser
+"""empanel_gguf.planning.index and `empanel-gguf inspect`, checked against llama.cpp's own GGUF parser
 (libggml-base.so through ctypes, from $LLAMA_CPP_LIB_PATH) and gguf-py's GGUFReader, on real
 GGUF files written to disk."""
 
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from empanel_gguf.commands import inspect as inspect_cmd
-from empanel_gguf.index import ModelError, load_index
+from empanel_gguf.planning.index import ModelError, load_index
 
 try:
-    from empanel_gguf.fixtures import FIXTURES, write_fixture
+    from empanel_gguf.models.fixtures import FIXTURES, write_fixture
 except ImportError:  # the fixtures module is written in parallel; use it once it exists
     FIXTURES, write_fixture = {}, None
 

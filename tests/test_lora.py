@@ -7,8 +7,9 @@ import gguf
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures
-from empanel_gguf.exactness import greedy_logits
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.lab.exactness import greedy_logits
 
 KW = dict(n_ctx=256, n_threads=2, logits_all=True, seed=0, verbose=False)
 PROMPT = b"Hello the world, and this is a test of adapters"

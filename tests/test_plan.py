@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from empanel_gguf import Llama, fixtures, pools
-from empanel_gguf._native import NativeLibraryError, native
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.engine import pools
+from empanel_gguf.engine.native import NativeLibraryError, native
 
 REPO = Path(__file__).resolve().parent.parent
 SANITIZED = bool(os.environ.get("EMPANEL_SANITIZER"))

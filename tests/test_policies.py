@@ -1,4 +1,4 @@
-"""Cache policies (empanel_gguf.policies) and the replay driver on small hand-computed traces.
+"""Cache policies (empanel_gguf.lab.policies) and the replay driver on small hand-computed traces.
 
 Pure Python, no model: every expected count below is worked out by hand in the comments. A call
 is one micro-batch of one layer; its distinct experts count once each (hit if resident, else a
@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from empanel_gguf.policies import (ARC, GLRU, LFU, LRU, SLRU, Belady, CapacityError, LFUDecay,
+from empanel_gguf.lab.policies import (ARC, GLRU, LFU, LRU, SLRU, Belady, CapacityError, LFUDecay,
                                    make_policy)
-from empanel_gguf.replay import build_calls, replay
-from empanel_gguf.trace import Trace
+from empanel_gguf.lab.replay import build_calls, replay
+from empanel_gguf.lab.trace import Trace
 
 
 def run(policy, calls, layer=0):
@@ -337,7 +337,7 @@ def test_a_guessed_expert_is_evicted_last():
 @pytest.mark.parametrize("policy", ["lru", "lfu-decay", "g-lru"])
 def test_preload_order_keeps_the_first_longest(policy):
     # a profile's order [5, 3, 1] (most used first) into 3 slots: the first miss evicts 1, the next 3
-    from empanel_gguf.pools import LabPool
+    from empanel_gguf.engine.pools import LabPool
 
     lab = LabPool(policy, [3], 8, [100], budget_bytes=300)
     assert lab.preload({0: [5, 3, 1]}) == 3 and set(lab.slot_table(0)) == {5, 3, 1}

@@ -5,9 +5,10 @@ bytes as they are, so a slot can be compared with the file)."""
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures
-from empanel_gguf.exactness import greedy_logits
-from empanel_gguf.index import load_index
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.lab.exactness import greedy_logits
+from empanel_gguf.planning.index import load_index
 
 NAME = "qwen3moe-f32"  # 16 experts, top-4, experts in plain CPU memory
 
@@ -201,8 +202,9 @@ def test_glru_bit_identical(tmp_path_factory, name):
 
 RSS_SCRIPT = """
 import sys
-from empanel_gguf import Llama, fixtures
-from empanel_gguf.exactness import greedy_logits
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.lab.exactness import greedy_logits
 path = fixtures.write_fixture("qwen3moe-rss", sys.argv[1])
 llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots=int(sys.argv[2]), moe_policy=sys.argv[3])
 for t in range(60):

@@ -1,4 +1,4 @@
-"""Calibration profiles and the warm start (profile.py, empanel-gguf calibrate, moe_profile)."""
+"""Calibration profiles and the warm start (planning/profile.py, empanel-gguf calibrate, moe_profile)."""
 
 import json
 import sys
@@ -7,12 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
 from empanel_gguf.commands.options import BUILTIN_MODEL
-from empanel_gguf.exactness import greedy_logits
-from empanel_gguf.index import load_index
+from empanel_gguf.lab.exactness import greedy_logits
+from empanel_gguf.planning.index import load_index
 from empanel_gguf.commands.calibrate import calibrate
-from empanel_gguf.profile import ProfileError, default_path, load_profile, resolve, save_profile
+from empanel_gguf.planning.profile import ProfileError, default_path, load_profile, resolve, save_profile
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))

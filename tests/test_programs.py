@@ -26,13 +26,13 @@ import pytest
 from conftest import child_env, require_programs
 from loadgen import llama_server
 
-from empanel_gguf import fixtures
+from empanel_gguf.models import fixtures
 from empanel_gguf.commands import programs
 from empanel_gguf.commands.options import BUILTIN_MODEL
-from empanel_gguf.index import load_index
-from empanel_gguf.plan import pool_setup
-from empanel_gguf.plan_file import plan_text
-from empanel_gguf.sizing import plan_slots
+from empanel_gguf.planning.index import load_index
+from empanel_gguf.planning.plan import pool_setup
+from empanel_gguf.planning.plan_file import plan_text
+from empanel_gguf.planning.sizing import plan_slots
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for one program run
@@ -59,7 +59,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
-    from empanel_gguf.profile import DEFAULT_TEXT
+    from empanel_gguf.planning.profile import DEFAULT_TEXT
 
     path = tmp_path_factory.mktemp("programs-text") / "text.txt"
     path.write_text(DEFAULT_TEXT * 2)

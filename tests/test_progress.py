@@ -3,7 +3,8 @@
 import io
 import threading
 
-from empanel_gguf import Llama, fixtures
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
 from empanel_gguf.progress import PromptProgress
 
 

@@ -33,7 +33,7 @@ def _rpc_server_path():
 
 
 def _supported():
-    from empanel_gguf import rpc
+    from empanel_gguf.engine import rpc
 
     return rpc.supported() and _rpc_server_path().is_file()
 
@@ -102,9 +102,11 @@ def two_servers(tmp_path_factory):
 CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from empanel_gguf import Llama, fixtures, rpc
+    from empanel_gguf import Llama
+    from empanel_gguf.models import fixtures
+    from empanel_gguf.engine import rpc
     from empanel_gguf.commands.options import default_model_path
-    from empanel_gguf.exactness import greedy_logits
+    from empanel_gguf.lab.exactness import greedy_logits
 
     model, servers, slots, out = sys.argv[1:5]
     path = str(default_model_path()) if model == "builtin" else str(fixtures.write_fixture(model, sys.argv[5]))
@@ -188,7 +190,8 @@ def test_unreachable_server_is_an_error_not_an_abort(tmp_path):
     """ggml-rpc aborts the process when it cannot connect: the server is tried first."""
     port = free_port()  # nobody listens there
     code = textwrap.dedent(f"""
-        from empanel_gguf import Llama, rpc
+        from empanel_gguf import Llama
+        from empanel_gguf.engine import rpc
         from empanel_gguf.commands.options import default_model_path
         try:
             Llama(str(default_model_path()), rpc_servers="127.0.0.1:{port}", verbose=False)
@@ -225,7 +228,7 @@ def test_llama_perplexity_with_rpc_equal_to_stock(tmp_path, two_servers):
     chunk's value and the final estimate of the same split without them."""
     require_programs("llama-perplexity")
     from empanel_gguf.commands.options import default_model_path
-    from empanel_gguf.profile import DEFAULT_TEXT
+    from empanel_gguf.planning.profile import DEFAULT_TEXT
 
     text = tmp_path / "text.txt"
     text.write_text(DEFAULT_TEXT * 2)
@@ -308,7 +311,7 @@ def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
     mute.listen(4)
     port = mute.getsockname()[1]
     code = textwrap.dedent(f"""
-        from empanel_gguf import rpc
+        from empanel_gguf.engine import rpc
         try:
             rpc.add_servers("127.0.0.1:{port}")
         except rpc.RpcError as e:
@@ -329,9 +332,10 @@ def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
 LOST_CHILD = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
     import numpy as np
-    from empanel_gguf import Llama, rpc
+    from empanel_gguf import Llama
+    from empanel_gguf.engine import rpc
     from empanel_gguf.commands.options import default_model_path
-    from empanel_gguf.exactness import greedy_logits
+    from empanel_gguf.lab.exactness import greedy_logits
 
     servers, victim_group, port, cache_dir, how, out = sys.argv[1:7]
     path = str(default_model_path())
@@ -499,7 +503,8 @@ def test_rpc_build_keeps_cpu_host_pools_unmasked(tmp_path):
     can touch host pools: plain host pools of a CPU build still run unmasked waves."""
     code = textwrap.dedent("""
         import sys
-        from empanel_gguf import Llama, fixtures
+        from empanel_gguf import Llama
+        from empanel_gguf.models import fixtures
         path = fixtures.write_fixture("qwen3moe-f16", sys.argv[1])
         llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots="25%")
         llm.eval(llm.tokenize(b"Once upon a time, in a land far away"))

@@ -1,6 +1,6 @@
-"""The seams hold: planning loads no library, no module imports another that imports it back,
-the sidecar's units share their helpers without circles, counters and policies are declared once
-(csrc/empanel.h) and every face plans once."""
+"""The seams hold: the layers import only downwards (planning loads no library), no module imports
+another that imports it back, the sidecar's units share their helpers without circles, counters and
+policies are declared once (csrc/empanel.h) and every face plans once."""
 
 import ast
 import os
@@ -14,12 +14,13 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "empanel_gguf"
 
-# planning and what it stands on: pure Python over the model's header and our cache files
-PLANNING = ("cache", "digests", "estimate", "format", "guard", "header", "host_memory", "index", "plan",
-            "plan_file", "profile", "sizing", "stats")
-# the drop-in, the native seam and the faces, which planning must never import
-ABOVE_OR_NATIVE = ("empanel_gguf._native", "empanel_gguf.llama", "empanel_gguf.pools", "empanel_gguf.rpc",
-                   "empanel_gguf.server", "empanel_gguf.commands")
+# The layers are the package's folders; every other module (llama, server, cli, commands/, ...) is
+# a face. planning/ (pure Python over the model's header and our cache files) stands below engine/
+# (the native seam and what runs on it), which stands below the faces; lab/ stands beside the
+# engine, models/ (the writers) on planning's GGUF reader.
+LAYERS = ("planning", "engine", "lab", "models")
+NATIVE = "empanel_gguf.engine.native"  # the one module that opens our libraries
+DROP_IN = "empanel_gguf.llama"  # the face the lab runs (the benchmark's child measures it)
 
 
 def _modules():
@@ -62,13 +63,32 @@ def _reach(graph, start):
     return seen
 
 
-def test_planning_imports_neither_the_drop_in_nor_the_native_seam():
+def _layer(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "faces"
+
+
+def test_layers_import_only_downwards():
+    """Read from the folders: planning and the writers reach no face, no lab and nothing of the
+    engine that reaches the native seam (the engine's declarations, pins and header, load no
+    library); the engine reaches no face, lab or writer; the lab no face but the drop-in."""
     mods = _modules()
+    assert all((PACKAGE / layer / "__init__.py").is_file() for layer in LAYERS)
     graph = {name: _imports(name, path, mods, top_level_only=False) for name, path in mods.items()}
-    for module in PLANNING:
-        reached = _reach(graph, f"empanel_gguf.{module}")
-        bad = sorted(m for m in reached if m.startswith(ABOVE_OR_NATIVE))
-        assert not bad, f"empanel_gguf.{module} imports {bad} (directly or through others)"
+    seam = {m for m in mods if _layer(m) == "engine" and (m == NATIVE or NATIVE in _reach(graph, m))}
+    assert {NATIVE, "empanel_gguf.engine.pools", "empanel_gguf.engine.rpc"} <= seam  # the rule can fail
+    forbidden = {
+        "planning": lambda m: _layer(m) in ("faces", "lab", "models") or m in seam,
+        "models": lambda m: _layer(m) in ("faces", "lab") or m in seam,
+        "engine": lambda m: _layer(m) in ("faces", "lab", "models"),
+        "lab": lambda m: _layer(m) == "faces" and m != DROP_IN,
+    }
+    for module in sorted(mods):
+        layer = _layer(module)
+        if layer == "faces":
+            continue
+        bad = sorted(m for m in _reach(graph, module) if forbidden[layer](m))
+        assert not bad, f"{module} ({layer}/) imports {bad} (directly or through others)"
 
 
 def test_no_module_level_import_circles():
@@ -131,11 +151,11 @@ def test_only_load_calls_libllama():
 def test_counters_are_declared_once():
     """The counters of EMPANEL_LAYER_COUNTERS are the C struct (as cffi sees it), the names Python
     reports, and the metric names; nothing else lists them."""
-    from empanel_gguf import _native
-    from empanel_gguf.header import COUNTERS
-    from empanel_gguf.stats import NAMES, layer_stats
+    from empanel_gguf.engine import native
+    from empanel_gguf.engine.header import COUNTERS
+    from empanel_gguf.engine.stats import NAMES, layer_stats
 
-    ffi = _native.native().ffi
+    ffi = native.native().ffi
     fields = [name for name, _ in ffi.typeof("struct empanel_layer_stats").fields]
     assert fields == [c.field for c in COUNTERS]
     assert all(ffi.typeof("struct empanel_layer_stats").fields[i][1].type.cname == "uint64_t"
@@ -153,23 +173,23 @@ def test_counters_are_declared_once():
 
 
 def test_pins_equal_the_hook_header():
-    """_pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
+    """engine/pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
     plain pools are placed by) are the header's."""
-    from empanel_gguf import _pins
+    from empanel_gguf.engine import pins
 
     header = (REPO / "patches" / "files" / "include" / "llama-empanel-shared.h").read_text()
     defines = dict(re.findall(r"#define (LLAMA_EMPANEL_\w+) (\d+)", header))
-    assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == _pins.EMPANEL_API_VERSION
-    assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == _pins.READ_ALIGN
+    assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == pins.EMPANEL_API_VERSION
+    assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == pins.READ_ALIGN
 
 
 def test_policies_are_declared_once():
-    from empanel_gguf import _native
-    from empanel_gguf.header import ENGINE_POLICIES, policy_id
+    from empanel_gguf.engine import native
+    from empanel_gguf.engine.header import ENGINE_POLICIES, policy_id
 
     names = []
-    while (name := _native.native().sidecar.empanel_policy_name(len(names))) != _native.native().ffi.NULL:
-        names.append(_native.native().ffi.string(name).decode())
+    while (name := native.native().sidecar.empanel_policy_name(len(names))) != native.native().ffi.NULL:
+        names.append(native.native().ffi.string(name).decode())
     assert tuple(names) == ENGINE_POLICIES == ("lru", "lfu-decay", "g-lru")
     assert [policy_id(n) for n in names] == [0, 1, 2]
     with pytest.raises(ValueError, match="one of lru, lfu-decay, g-lru"):
@@ -185,7 +205,7 @@ def test_unknown_moe_option_is_refused(tmp_path):
 
 
 def test_moe_profile_off_means_none():
-    from empanel_gguf.plan import moe_options
+    from empanel_gguf.planning.plan import moe_options
 
     for text in ("none", "off", "OFF", ""):
         assert moe_options(moe_profile=text).profile is None
@@ -194,10 +214,10 @@ def test_moe_profile_off_means_none():
 
 def test_sidecar_of_another_build_is_refused(tmp_path):
     """A libempanel whose version differs from the empanel.h beside it is refused at once."""
-    from empanel_gguf import _native
-    from empanel_gguf.header import SIDECAR_VERSION
+    from empanel_gguf.engine import native
+    from empanel_gguf.engine.header import SIDECAR_VERSION
 
-    lib = _native.lib_dir()
+    lib = native.lib_dir()
     for path in lib.iterdir():
         if path.name != "empanel.h":
             (tmp_path / path.name).symlink_to(path)
@@ -206,7 +226,7 @@ def test_sidecar_of_another_build_is_refused(tmp_path):
                                                        f"#define EMPANEL_SIDECAR_VERSION {SIDECAR_VERSION + 1}"))
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
     env["EMPANEL_GGUF_LIB_DIR"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", "from empanel_gguf import _native; _native.native()"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", "from empanel_gguf.engine import native; native.native()"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "NativeLibraryError" in proc.stderr and "different builds" in proc.stderr, proc.stderr[-2000:]
@@ -215,8 +235,10 @@ def test_sidecar_of_another_build_is_refused(tmp_path):
 def test_faces_plan_once(tmp_path, monkeypatch):
     """A face plans with plan_load and hands the plan to Llama(moe_load=...): Llama plans nothing
     again, and its pools are the plan's."""
-    from empanel_gguf import Llama, fixtures, plan
-    from empanel_gguf.index import load_index
+    from empanel_gguf import Llama
+    from empanel_gguf.models import fixtures
+    from empanel_gguf.planning import plan
+    from empanel_gguf.planning.index import load_index
 
     path = fixtures.write_fixture("qwen3moe-q8_0", tmp_path)
     index = load_index(path)

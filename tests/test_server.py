@@ -24,7 +24,8 @@ for _name in ("fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydan
     pytest.importorskip(_name, reason='llama_cpp.server extras missing: pip install "empanel-gguf[server]"')
 openai = pytest.importorskip("openai", reason="the openai client is missing: pip install openai")
 
-from empanel_gguf import Llama, fixtures  # noqa: E402
+from empanel_gguf import Llama  # noqa: E402
+from empanel_gguf.models import fixtures  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "qwen3moe-q8_0"

@@ -11,10 +11,12 @@ import re
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures, estimate, host_memory
-from empanel_gguf.exactness import greedy_logits
-from empanel_gguf.index import load_index
-from empanel_gguf.sizing import plan_slots
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.planning import estimate, host_memory
+from empanel_gguf.lab.exactness import greedy_logits
+from empanel_gguf.planning.index import load_index
+from empanel_gguf.planning.sizing import plan_slots
 
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 OTHER_PROMPTS = (b"Once upon a time in a land far away", b"1, 2, 3, 4, 5, 6, 7, 8")
@@ -338,7 +340,7 @@ def test_resident_layers_bit_identical_and_accounted(fixture_dir, name):
 
 
 def test_resident_layers_bad_values(fixture_dir):
-    from empanel_gguf.sizing import SlotsError
+    from empanel_gguf.planning.sizing import SlotsError
 
     index = load_index(fixtures.write_fixture("qwen3moe-q4_k", fixture_dir))
     for bad in (-1, True, len(index.layers)):

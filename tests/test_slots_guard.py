@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from empanel_gguf.exactness import greedy_logits
-from empanel_gguf import Llama, MoeReadError, fixtures
-from empanel_gguf._native import native
-from empanel_gguf.index import ModelError, load_index
-from empanel_gguf.sizing import SlotsError, plan_slots
+from empanel_gguf.lab.exactness import greedy_logits
+from empanel_gguf import Llama, MoeReadError
+from empanel_gguf.models import fixtures
+from empanel_gguf.engine.native import native
+from empanel_gguf.planning.index import ModelError, load_index
+from empanel_gguf.planning.sizing import SlotsError, plan_slots
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = b"Hello the world, and this is a test"
@@ -740,7 +741,7 @@ def test_failed_overlapped_read_in_decode(fixture_dir, monkeypatch, name):
 _PEAK_AFTER_PROMPT_SCRIPT = """
 import json, sys
 from empanel_gguf import Llama
-from empanel_gguf.host_memory import proc_status
+from empanel_gguf.planning.host_memory import proc_status
 slots = json.loads(sys.argv[2])
 llm = Llama(sys.argv[1], moe_slots=slots, n_ctx=512, n_batch=256, n_ubatch=256, n_threads=2,
             use_mmap=slots is not None, verbose=False)
@@ -760,7 +761,7 @@ def test_estimate_holds_the_measured_peak_rss(fixture_dir, moe_slots):
     few decoded tokens must peak below it, with and without slot pools. The estimate is an upper
     bound, not a loose one: within 256 MiB of the measured peak here (the runtime allowance and
     the compute buffer bound are most of the slack)."""
-    from empanel_gguf.plan import plan_load
+    from empanel_gguf.planning.plan import plan_load
 
     path = model(fixture_dir, "qwen3moe-rss")
     index = load_index(path)
@@ -806,7 +807,7 @@ def test_stats_reset_leaves_eviction_unchanged(fixture_dir):
 
 def test_stats_reset_leaves_the_lab_pool_unchanged():
     # the same through the sidecar's lab pools (the engine's code, no files): slot for slot
-    from empanel_gguf.pools import LabPool
+    from empanel_gguf.engine.pools import LabPool
 
     calls = [[0, 1], [1, 2], [0, 3], [4], [1, 4], [2, 5], [0, 1], [3, 6], [1, 7], [0, 2]] * 3
     plain, reset = LabPool("lfu-decay", [3], 8), LabPool("lfu-decay", [3], 8)
@@ -882,8 +883,8 @@ def test_read_failure_while_reading_ahead_raises(fixture_dir):
 def test_host_tier_rule():
     """moe_host_cache's rule: a size for pools in device memory; refused (saying why) where the
     pools are in host memory, and on a unified-memory device unless moe_host_cache_unified."""
-    from empanel_gguf.estimate import Estimate
-    from empanel_gguf.plan import host_cache_bytes
+    from empanel_gguf.planning.estimate import Estimate
+    from empanel_gguf.planning.plan import host_cache_bytes
 
     def est(host_share):
         return Estimate(weights=1, experts=1, kv=1, compute=1, host_share=host_share, n_ctx=512, pooled=True)

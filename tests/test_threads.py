@@ -12,9 +12,10 @@ import threading
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, fixtures
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
 from empanel_gguf.llama import model_params
-from empanel_gguf._native import use_our_libraries
+from empanel_gguf.engine.native import use_our_libraries
 
 llama_cpp = use_our_libraries()
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from conftest import child_env
 
-from empanel_gguf import Llama, fixtures
-from empanel_gguf.replay import replay
-from empanel_gguf.bench.trace_overhead import measure_overhead
-from empanel_gguf.recorder import Recorder
-from empanel_gguf.trace import FORMAT_VERSION, TraceError, load_trace, save_trace
+from empanel_gguf import Llama
+from empanel_gguf.models import fixtures
+from empanel_gguf.lab.replay import replay
+from empanel_gguf.lab.bench.trace_overhead import measure_overhead
+from empanel_gguf.lab.recorder import Recorder
+from empanel_gguf.lab.trace import FORMAT_VERSION, TraceError, load_trace, save_trace
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "qwen3moe-f32"  # 3 MoE layers, 16 experts, top-4
@@ -101,8 +102,8 @@ def test_policies_match_the_sidecar_call_by_call(model, policy, slots):
     # policy must count the same hits and misses on every call.
     import random
 
-    from empanel_gguf.index import load_index
-    from empanel_gguf.policies import make_policy
+    from empanel_gguf.planning.index import load_index
+    from empanel_gguf.lab.policies import make_policy
 
     index = load_index(model)
     llm = load(model, moe_slots=slots, moe_policy=policy)
@@ -191,7 +192,7 @@ def test_routing_is_the_same_without_slots(model):
 def test_records_taken_in_pieces_lay_out_the_same(model, monkeypatch):
     # the Recorder takes the sidecar's records after each prompt and every TAKE_EVERY decode
     # evaluations; how often it takes them changes nothing
-    from empanel_gguf import recorder as recorder_module
+    from empanel_gguf.lab import recorder as recorder_module
 
     whole, _ = record(model, moe_slots=8)
     monkeypatch.setattr(recorder_module, "TAKE_EVERY", 3)

@@ -11,10 +11,12 @@ import shutil
 import numpy as np
 import pytest
 
-from empanel_gguf import Llama, MoeReadError, digests, fixtures
+from empanel_gguf import Llama, MoeReadError
+from empanel_gguf.planning import digests
+from empanel_gguf.models import fixtures
 from empanel_gguf.commands import verify
-from empanel_gguf.exactness import greedy_logits
-from empanel_gguf.index import load_index
+from empanel_gguf.lab.exactness import greedy_logits
+from empanel_gguf.planning.index import load_index
 
 KW = dict(n_ctx=256, n_threads=2, logits_all=True, seed=0, verbose=False)
 PROMPT = b"Hello the world, and this is a test of verified reads"

@@ -58,8 +58,9 @@ def test_waves_bit_identical_to_vulkan_stock_defaults(tmp_path):
     code = textwrap.dedent("""
         import json, os, sys
         import numpy as np
-        from empanel_gguf import Llama, fixtures
-        from empanel_gguf.exactness import greedy_logits
+        from empanel_gguf import Llama
+        from empanel_gguf.models import fixtures
+        from empanel_gguf.lab.exactness import greedy_logits
         TEXT = b" ".join(b"%d: the %s fox and the lazy dog, seen %d times." % (i, b"quick" if i % 3 else b"slow", i * 7)
                          for i in range(200))
         def run(path, moe_slots, n_prompt, prefetch=0):
@@ -119,7 +120,8 @@ def test_device_syncs_counted_and_none_when_pinned(tmp_path):
     (pinned: stock's graph)."""
     code = textwrap.dedent("""
         import json, sys
-        from empanel_gguf import Llama, fixtures
+        from empanel_gguf import Llama
+        from empanel_gguf.models import fixtures
         path = fixtures.write_fixture("qwen3moe-f16", sys.argv[1])
         out = {}
         for name, kwargs in (("25%", dict(moe_slots="25%")), ("25%-noguess", dict(moe_slots="25%", moe_guess=False)),
@@ -147,7 +149,8 @@ def test_mixed_placement_some_layers_on_device(tmp_path):
     """Half the layers offloaded: their pools in Vulkan memory, the others' in CPU memory."""
     code = textwrap.dedent("""
         import numpy as np, sys
-        from empanel_gguf import Llama, fixtures
+        from empanel_gguf import Llama
+        from empanel_gguf.models import fixtures
         path = fixtures.write_fixture("qwen3moe-q8_0", sys.argv[1])
         TEXT = b" ".join(b"%d: mixed placement of the pools" % i for i in range(40))
         def run(moe_slots, n_prompt):
@@ -179,7 +182,8 @@ def test_read_failure_on_device_pools_raises_with_no_logits(tmp_path):
     code = textwrap.dedent("""
         import os, sys
         import numpy as np
-        from empanel_gguf import Llama, MoeReadError, fixtures
+        from empanel_gguf import Llama, MoeReadError
+        from empanel_gguf.models import fixtures
         path = fixtures.write_fixture("qwen3moe-q4_k", sys.argv[1])
         TEXT = b" ".join(b"%d: a device pool that cannot read" % i for i in range(60))
         def load(fault_after=None):
@@ -233,8 +237,9 @@ def test_host_tier_serves_device_misses_bit_identical(tmp_path):
     code = textwrap.dedent("""
         import json, os, sys
         import numpy as np
-        from empanel_gguf import Llama, fixtures
-        from empanel_gguf.exactness import greedy_logits
+        from empanel_gguf import Llama
+        from empanel_gguf.models import fixtures
+        from empanel_gguf.lab.exactness import greedy_logits
         TEXT = b" ".join(b"%d: the %s fox, the tier, the lazy dog." % (i, b"quick" if i % 3 else b"slow")
                          for i in range(120))
         out = {}

@@ -28,11 +28,11 @@ def calibrate(model_path, text=None, n_tokens=2048, n_threads=None):
     training context) through the model and count each layer's experts. Every expert resident
     when the model fits in memory, else slot pools (moe_slots="auto"): routing is the same either
     way. Returns the Profile."""
-    from ..cache import file_identity
-    from ..estimate import model_shape
-    from ..index import load_index
+    from ..planning.cache import file_identity
+    from ..planning.estimate import model_shape
+    from ..planning.index import load_index
     from ..llama import Llama
-    from ..profile import DEFAULT_TEXT, Profile, ProfileError, count_routing
+    from ..planning.profile import DEFAULT_TEXT, Profile, ProfileError, count_routing
 
     index = load_index(model_path)
     if not index.is_moe:
@@ -56,8 +56,8 @@ def calibrate(model_path, text=None, n_tokens=2048, n_threads=None):
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    from ..index import ModelError, load_index
-    from ..profile import ProfileError, default_path, save_profile
+    from ..planning.index import ModelError, load_index
+    from ..planning.profile import ProfileError, default_path, save_profile
 
     try:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace") if args.file else None

@@ -22,7 +22,7 @@ It runs PROGRAM with these environment variables, which can also be set by hand
                        ggml-rpc-server processes that take the offloaded layers and their pools
 
 Python started with -S or -I ignores PYTHONPATH/sitecustomize: there only the libraries change.
-A Llama that the guard refuses raises empanel_gguf.guard.MemoryRefused in the program.
+A Llama that the guard refuses raises empanel_gguf.planning.guard.MemoryRefused in the program.
 """
 
 import argparse
@@ -57,7 +57,7 @@ def setup_arg_parser():
 
 def build_env(moe_slots="auto", mem_floor=None, force=False, base=None, rpc_servers=None):
     """The environment that makes a program's llama_cpp use empanel-gguf (see the module doc)."""
-    from .._native import lib_dir
+    from ..engine.native import lib_dir
 
     env = dict(os.environ if base is None else base)
     libs = str(lib_dir())
@@ -121,7 +121,7 @@ def patch_llama_cpp(module):
 
         def __init__(self, model_path, *args, moe_slots=_FROM_ENV, **kwargs):
             if os.environ.get("EMPANEL_RPC_SERVERS") and not kwargs.get("rpc_servers"):
-                from ..rpc import use_servers
+                from ..engine.rpc import use_servers
 
                 kwargs["rpc_servers"] = os.environ["EMPANEL_RPC_SERVERS"]
                 use_servers(kwargs["rpc_servers"], kwargs)  # before the guard's estimate: it sees the devices
@@ -141,9 +141,9 @@ def patch_llama_cpp(module):
 def _load_from_env(model_path, kwargs):
     """(the plan of this load, None) for EMPANEL_MOE_SLOTS after the memory guard (which raises
     MemoryRefused); (None, moe_slots) where the file cannot be indexed (Llama reports its problem)."""
-    from ..host_memory import parse_floor
-    from ..index import ModelError, load_index
-    from ..plan import moe_options, parse_moe_slots, plan_load, print_notices
+    from ..planning.host_memory import parse_floor
+    from ..planning.index import ModelError, load_index
+    from ..planning.plan import moe_options, parse_moe_slots, plan_load, print_notices
 
     moe_slots = parse_moe_slots(os.environ.get("EMPANEL_MOE_SLOTS"))
     if kwargs.get("vocab_only"):

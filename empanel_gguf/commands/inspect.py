@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from empanel_gguf.format import format_bytes
-from empanel_gguf.index import ModelError, ModelIndex, load_index
+from empanel_gguf.planning.format import format_bytes
+from empanel_gguf.planning.index import ModelError, ModelIndex, load_index
 
 
 

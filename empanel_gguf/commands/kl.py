@@ -61,11 +61,11 @@ def compare(model, text, n_tokens, moe_slots, moe_subst, n_threads=None):
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    from ..estimate import model_shape
-    from ..format import format_bytes
-    from ..index import ModelError, load_index
-    from ..plan import parse_moe_slots
-    from ..profile import DEFAULT_TEXT
+    from ..planning.estimate import model_shape
+    from ..planning.format import format_bytes
+    from ..planning.index import ModelError, load_index
+    from ..planning.plan import parse_moe_slots
+    from ..planning.profile import DEFAULT_TEXT
 
     try:
         index = load_index(args.model)

@@ -7,14 +7,14 @@ import argparse
 import os
 from pathlib import Path
 
-from ..header import ENGINE_POLICIES
-from ..sizing import DEFAULT_POLICY
+from ..engine.header import ENGINE_POLICIES
+from ..planning.sizing import DEFAULT_POLICY
 
 EXIT_MEMORY = 3  # refused or stopped by the memory guard
 
 # the built-in model: a small qwen3moe trained on Shakespeare (scripts/train_moe.py), shipped in
 # the package (models/PROVENANCE.md); where it is missing (a checkout without it), a tiny
-# random-weight fixture written into the cache instead (see fixtures.py)
+# random-weight fixture written into the cache instead (see models/fixtures.py)
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "shakespeare-moe.gguf"
 DEFAULT_FIXTURE = "qwen3moe-q8_0"
 DEFAULT_MODEL_SLOTS = "50%"  # the built-in model streams its experts, to show what empanel does
@@ -24,7 +24,7 @@ DEFAULT_PROMPT = "Once upon a time"
 def default_model_path():
     if BUILTIN_MODEL.is_file():
         return BUILTIN_MODEL
-    from .. import fixtures
+    from ..models import fixtures
 
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return fixtures.write_fixture(DEFAULT_FIXTURE, Path(base) / "empanel-gguf" / "models")
@@ -191,7 +191,7 @@ def llama_kwargs(args, n_ctx):
                   n_threads_batch=args.threads_batch, flash_attn=args.flash_attn, verbose=args.verbose)
     kwargs["n_gpu_layers"] = args.n_gpu_layers
     if args.rpc:
-        from ..rpc import use_servers
+        from ..engine.rpc import use_servers
 
         use_servers(args.rpc, kwargs)
         kwargs["rpc_servers"] = args.rpc
@@ -202,7 +202,7 @@ def llama_kwargs(args, n_ctx):
 
 def moe_options_from_args(args, trace=False):
     """plan.MoeOptions of the options add_moe_args added (moe_slots aside)."""
-    from ..plan import moe_options
+    from ..planning.plan import moe_options
 
     return moe_options(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
                        moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io, moe_trace=trace,
@@ -215,8 +215,8 @@ def moe_options_from_args(args, trace=False):
 def plan_from_args(index, args, moe_slots, kwargs, trace=False, lora_paths=()):
     """plan.plan_load with the options, floor and --force; logs its report as notes. Give the
     result to Llama(moe_load=...) or plan_file.load_text: nothing is planned twice."""
-    from ..host_memory import parse_floor
-    from ..plan import plan_load, print_notices
+    from ..planning.host_memory import parse_floor
+    from ..planning.plan import plan_load, print_notices
 
     load = plan_load(index, moe_slots, kwargs, options=moe_options_from_args(args, trace), lora_paths=lora_paths,
                      floor=parse_floor(args.mem_floor), force=args.force, what=f"loading {Path(index.path).name}")
@@ -225,6 +225,6 @@ def plan_from_args(index, args, moe_slots, kwargs, trace=False, lora_paths=()):
 
 
 def note(text):
-    from ..plan import print_notices
+    from ..planning.plan import print_notices
 
     print_notices([text])

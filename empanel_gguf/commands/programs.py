@@ -32,9 +32,9 @@ PROGRAMS = ("llama-server", "llama-cli", "llama-bench", "llama-perplexity")
 
 def programs_dir():
     """Where the programs are: EMPANEL_GGUF_PROGRAMS_DIR, else programs/ next to the library
-    folder (_native.lib_dir(), the package's lib/ unless EMPANEL_GGUF_LIB_DIR names another
+    folder (engine.native.lib_dir(), the package's lib/ unless EMPANEL_GGUF_LIB_DIR names another
     build's): a program loads the libllama of ../lib, and its sidecar must be that build's."""
-    from .._native import lib_dir
+    from ..engine.native import lib_dir
 
     return Path(os.environ.get("EMPANEL_GGUF_PROGRAMS_DIR") or lib_dir().parent / "programs")
 
@@ -135,7 +135,7 @@ def planned_n_ctx(name, values, shape):
     """The context the program will make, as far as the plan can tell: -c (0: the model's
     training context); else each program's own default: llama-server and llama-cli the training
     context (llama.cpp may shrink it to fit), llama-perplexity 512, llama-bench -p + -n."""
-    from ..estimate import resolve_n_ctx
+    from ..planning.estimate import resolve_n_ctx
 
     ctx = _int_or(values.get("ctx"), None)
     if ctx is not None:
@@ -157,10 +157,10 @@ def _int_or(text, default):
 def plan_for_program(name, args, flags):
     """A function stats_path -> the plan's text, or None when the program runs stock (no -m, no
     slot pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
-    from ..estimate import model_shape
-    from ..index import load_index
-    from ..plan import parse_moe_slots
-    from ..plan_file import load_text
+    from ..planning.estimate import model_shape
+    from ..planning.index import load_index
+    from ..planning.plan import parse_moe_slots
+    from ..planning.plan_file import load_text
     from .options import plan_from_args
 
     values = program_flags(flags, lists=name == "llama-bench")
@@ -214,10 +214,10 @@ def run_program(path, flags, env):
 
 
 def main(name, argv=None):
-    from ..guard import MemoryRefused
-    from ..index import ModelError
-    from ..sizing import SlotsError
-    from ..stats import read_stats_file, summary_line
+    from ..planning.guard import MemoryRefused
+    from ..planning.index import ModelError
+    from ..planning.sizing import SlotsError
+    from ..engine.stats import read_stats_file, summary_line
 
     parser = setup_arg_parser(name)
     ours, flags = split_args(parser, list(sys.argv[1:] if argv is None else argv))

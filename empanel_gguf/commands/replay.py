@@ -25,7 +25,7 @@ import sys
 
 
 def setup_arg_parser():
-    from ..policies import LAB_POLICIES
+    from ..lab.policies import LAB_POLICIES
 
     parser = argparse.ArgumentParser(
         prog="empanel-gguf replay", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
@@ -51,8 +51,8 @@ def setup_arg_parser():
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    from ..replay import format_report, parse_sizes, plot, replay
-    from ..trace import TraceError, load_trace
+    from ..lab.replay import format_report, parse_sizes, plot, replay
+    from ..lab.trace import TraceError, load_trace
 
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("empanel-gguf replay: --plot needs matplotlib, an optional extra: "

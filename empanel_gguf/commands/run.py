@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..format import format_bytes
+from ..planning.format import format_bytes
 from ..progress import PromptProgress
 from .options import (DEFAULT_MODEL_SLOTS, DEFAULT_PROMPT, EXIT_MEMORY, add_load_args, add_memory_args,
                       add_moe_args, add_sampling_args, default_model_path, env_arg, llama_kwargs, note,
@@ -272,13 +272,13 @@ def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     from .. import Llama, llama_cpp
-    from ..guard import Watchdog
-    from ..host_memory import peak_rss
-    from ..estimate import cli_n_ctx, model_shape
-    from ..guard import MemoryRefused
-    from ..index import ModelError, load_index
-    from ..plan import parse_moe_slots
-    from ..sizing import SlotsError
+    from ..planning.guard import Watchdog
+    from ..planning.host_memory import peak_rss
+    from ..planning.estimate import cli_n_ctx, model_shape
+    from ..planning.guard import MemoryRefused
+    from ..planning.index import ModelError, load_index
+    from ..planning.plan import parse_moe_slots
+    from ..planning.sizing import SlotsError
 
     model = args.model_opt or args.model or os.environ.get("LLAMA_ARG_MODEL")
     builtin = not model

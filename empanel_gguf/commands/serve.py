@@ -134,9 +134,9 @@ def main(argv=None):
     import uvicorn
 
     from .. import server
-    from ..guard import MemoryRefused, Watchdog
-    from ..index import ModelError
-    from ..sizing import SlotsError
+    from ..planning.guard import MemoryRefused, Watchdog
+    from ..planning.index import ModelError
+    from ..planning.sizing import SlotsError
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

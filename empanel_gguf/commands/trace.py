@@ -5,7 +5,7 @@ Runs the model on a prompt (-p), a long document (-f) or a conversation (--chat:
 {"role", "content"} messages; each user turn is a prompt in the model's chat format, the
 assistant's reply is generated, or fed as prompt tokens where the file gives its content) and
 records every token's routed experts in every MoE layer into a trace file (see
-empanel_gguf/trace.py for its format). -n tokens are generated after a prompt or document, and
+empanel_gguf/lab/trace.py for its format). -n tokens are generated after a prompt or document, and
 for each reply of a chat. Without -p/-f/--chat: the prompt 'Once upon a time'.
 
 Slots are optional (routing is the same with or without them); with --moe-slots the engine's live
@@ -70,14 +70,14 @@ def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     from .. import Llama, llama_cpp
-    from ..estimate import cli_n_ctx, model_shape
-    from ..guard import MemoryRefused
-    from ..index import ModelError, load_index
-    from ..plan import parse_moe_slots
-    from ..sizing import SlotsError
-    from ..bench.trace_overhead import measure_overhead
-    from ..recorder import Recorder, record_chat
-    from ..trace import TraceError
+    from ..planning.estimate import cli_n_ctx, model_shape
+    from ..planning.guard import MemoryRefused
+    from ..planning.index import ModelError, load_index
+    from ..planning.plan import parse_moe_slots
+    from ..planning.sizing import SlotsError
+    from ..lab.bench.trace_overhead import measure_overhead
+    from ..lab.recorder import Recorder, record_chat
+    from ..lab.trace import TraceError
 
     name = Path(args.model).name
     try:
@@ -147,7 +147,7 @@ def main(argv=None):
 
 
 def format_summary(trace, path, wall, stats):
-    from ..format import format_bytes
+    from ..planning.format import format_bytes
 
     meta = trace.meta
     rec = meta["recorded_with"]

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..format import format_bytes
+from ..planning.format import format_bytes
 from .options import command_parser
 
 
@@ -34,10 +34,10 @@ def _progress(t0):
 
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    from .. import digests
-    from .._native import hash64
-    from ..cache import file_identity
-    from ..index import ModelError, load_index
+    from ..planning import digests
+    from ..engine.native import hash64
+    from ..planning.cache import file_identity
+    from ..planning.index import ModelError, load_index
 
     try:
         index = load_index(args.model)

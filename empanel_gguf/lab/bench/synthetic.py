@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..format import GiB
+from ...planning.format import GiB
 
 
 WRITER_VERSION = 1
@@ -147,7 +147,7 @@ def write_model(shape: ModelShape, path, log=print) -> Path:
     import gguf
     import numpy as np
 
-    from empanel_gguf import fixtures, gguf_writer
+    from empanel_gguf.models import fixtures, gguf_writer
 
     shape.check()
     path = Path(path)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from .sizing import pool_slots
+from ..planning.sizing import pool_slots
 
 
 class CapacityError(ValueError):
@@ -99,7 +99,7 @@ class _EnginePolicy(Policy):
         """(lab pool, its layer index) for a layer key."""
         lab = self.labs.get(layer)
         if lab is None:
-            from .pools import LabPool
+            from ..engine.pools import LabPool
 
             lab = self.labs[layer] = LabPool(self.engine, [self.capacity(layer)], self.n_expert)
         return lab, 0
@@ -149,7 +149,7 @@ class GLRU(_EnginePolicy):
 
     def __init__(self, slots, expert_bytes, n_expert, n_expert_used):
         super().__init__(slots, n_expert)
-        from .pools import LabPool
+        from ..engine.pools import LabPool
 
         self.expert_bytes = dict(expert_bytes)
         self.budget = slots * sum(self.expert_bytes.values())

@@ -24,7 +24,7 @@ from pathlib import Path
 from .estimate import Estimate, estimate, model_shape, unified_devices
 from .format import format_bytes
 from .guard import check, max_slots_that_fit
-from .header import ENGINE_POLICIES, policy_id
+from ..engine.header import ENGINE_POLICIES, policy_id
 from .host_memory import available_memory, default_floor
 from .index import adapter_expert_tensors
 from .sizing import DEFAULT_POLICY, SlotPlan, parse_size, plan_slots

@@ -52,17 +52,7 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
     limit = bench.cap_bytes if cfg.cap == CAP else bench.guard_bytes
     sample = {"config": cfg.name, "cap": cfg.cap, "rep": rep, "kind": cfg.kind,
               "moe_slots": cfg.moe_slots, "limit_bytes": limit, "log": str(log_path)}
-    spec = {
-        "model": str(bench.model_path), "kind": cfg.kind, "moe_slots": cfg.moe_slots,
-        "n_prompt": a.n_prompt, "n_gen": a.n_gen, "n_ctx": a.n_ctx, "n_batch": a.n_batch,
-        "n_ubatch": a.n_ubatch, "threads": a.threads, "max_tg_s": a.max_tg_s, "min_tg": a.min_tg,
-        "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
-        "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {}),
-                         **(cfg.moe_opts or {})),
-        "llama_opts": dict(a.llama_opt), "plain": cfg.plain, "result": str(result_path),
-        "cgroup_procs": None,
-        "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
-    }
+    spec = _child_spec(bench, cfg, result_path)
     if bench.cgroup is not None and limit is not None:
         bench.cgroup.prepare(limit)
         spec["cgroup_procs"] = str(bench.cgroup.procs)
@@ -83,39 +73,14 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
                 ra.__enter__()
             except OSError as e:
                 return {**sample, "status": "skipped", "error": f"cannot set read_ahead_kb: {e}"}
-        sample["read_ahead_kb"] = int(read_sys(bench.queue_dir / "read_ahead_kb", "0")) if bench.queue_dir else None
-        if a.wait_idle > 0:
-            sample["waited_idle_s"] = wait_for_idle(a.wait_idle, a.idle_pct)
-        if not a.no_drop_caches:
-            sample["caches_dropped"] = drop_caches()
-        if a.probe_s > 0:
-            probe = probe_drive(bench.index, a.probe_s, bench.probe_chunk, bench.probe_depth,
-                                seed=n, direct=bench.probe_direct)
-            sample["drive"] = probe
-        env = dict(os.environ)  # the child measures the very package this process uses
-        pkg_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        if cfg.bounce:
-            env["EMPANEL_READ_BOUNCE"] = "1"
-        if cfg.sync:
-            env["EMPANEL_READ_SYNC"] = "1"
-        env.update(cfg.env or {})
+        _before_run(bench, sample, n)
+        env = _child_env(cfg)
         t0 = time.perf_counter()
         jiffies0, self0 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "empanel_gguf.bench", "--child", str(spec_path)],
+            proc = subprocess.Popen([sys.executable, "-m", "empanel_gguf", "bench", "--child", str(spec_path)],
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-            rusage, wait_status, timed_out = None, None, False
-            while True:
-                pid, wait_status, rusage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    break
-                if time.perf_counter() - t0 > a.timeout:
-                    timed_out = True
-                    os.kill(proc.pid, signal.SIGKILL)
-                    _, wait_status, rusage = os.wait4(proc.pid, 0)
-                    break
-                time.sleep(0.05)
+            rusage, wait_status, timed_out = _wait(proc, t0, a.timeout)
             proc.returncode = os.waitstatus_to_exitcode(wait_status)
         sample["wall_s"] = time.perf_counter() - t0
         jiffies1, self1 = cpu_jiffies(), resource.getrusage(resource.RUSAGE_SELF)
@@ -124,15 +89,81 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
             sample["drive_after"] = probe_drive(bench.index, a.probe_s, bench.probe_chunk, bench.probe_depth,
                                                 seed=10_000 + n, direct=bench.probe_direct)
     finally:
-        if proc is not None and proc.returncode is None:  # interrupted while it ran
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-                os.waitpid(proc.pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-        if ra is not None and ra.original is not None:
-            ra.__exit__(None, None, None)
+        _clean_up(proc, ra)
+    _outcome(bench, sample, proc, rusage, timed_out, limit, oom_before, result_path, log_path)
+    return sample
 
+
+def _child_spec(bench: Bench, cfg: Config, result_path: Path) -> dict:
+    """What the child runs (lab/bench/child.py reads it), as JSON."""
+    a = bench.args
+    return {
+        "model": str(bench.model_path), "kind": cfg.kind, "moe_slots": cfg.moe_slots,
+        "n_prompt": a.n_prompt, "n_gen": a.n_gen, "n_ctx": a.n_ctx, "n_batch": a.n_batch,
+        "n_ubatch": a.n_ubatch, "threads": a.threads, "max_tg_s": a.max_tg_s, "min_tg": a.min_tg,
+        "warmup": not a.no_warmup, "warmup_tokens": a.warmup_tokens, "warmup_s": a.warmup_s,
+        "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {}),
+                         **(cfg.moe_opts or {})),
+        "llama_opts": dict(a.llama_opt), "plain": cfg.plain, "result": str(result_path),
+        "cgroup_procs": None,
+        "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
+    }
+
+
+def _before_run(bench: Bench, sample: dict, n: int):
+    """The machine made ready for run n: readahead noted, quiet CPUs awaited, caches dropped,
+    the drive probed."""
+    a = bench.args
+    sample["read_ahead_kb"] = int(read_sys(bench.queue_dir / "read_ahead_kb", "0")) if bench.queue_dir else None
+    if a.wait_idle > 0:
+        sample["waited_idle_s"] = wait_for_idle(a.wait_idle, a.idle_pct)
+    if not a.no_drop_caches:
+        sample["caches_dropped"] = drop_caches()
+    if a.probe_s > 0:
+        probe = probe_drive(bench.index, a.probe_s, bench.probe_chunk, bench.probe_depth,
+                            seed=n, direct=bench.probe_direct)
+        sample["drive"] = probe
+
+
+def _child_env(cfg: Config) -> dict:
+    env = dict(os.environ)  # the child measures the very package this process uses
+    pkg_root = str(Path(__file__).resolve().parents[3])  # the folder holding empanel_gguf/
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if cfg.bounce:
+        env["EMPANEL_READ_BOUNCE"] = "1"
+    if cfg.sync:
+        env["EMPANEL_READ_SYNC"] = "1"
+    env.update(cfg.env or {})
+    return env
+
+
+def _wait(proc, t0: float, timeout: float):
+    """(rusage, wait status, timed out) of the child, killed once it ran `timeout` seconds."""
+    while True:
+        pid, wait_status, rusage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return rusage, wait_status, False
+        if time.perf_counter() - t0 > timeout:
+            os.kill(proc.pid, signal.SIGKILL)
+            _, wait_status, rusage = os.wait4(proc.pid, 0)
+            return rusage, wait_status, True
+        time.sleep(0.05)
+
+
+def _clean_up(proc, ra):
+    if proc is not None and proc.returncode is None:  # interrupted while it ran
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+            os.waitpid(proc.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    if ra is not None and ra.original is not None:
+        ra.__exit__(None, None, None)
+
+
+def _outcome(bench: Bench, sample: dict, proc, rusage, timed_out, limit, oom_before, result_path, log_path):
+    """The sample completed from the child's end: its result, or why there is none."""
+    a = bench.args
     sample["returncode"] = proc.returncode
     sample["child_maxrss"] = rusage.ru_maxrss * 1024 if rusage is not None else None
     phase = read_sys(str(result_path) + ".phase", "?")
@@ -160,7 +191,6 @@ def run_child(bench: Bench, cfg: Config, rep: int, n: int) -> dict:
         sample["error"] = f"exit {proc.returncode} during {phase}: " + _tail(log_path)
     if sample.get("peak_rss") is None:
         sample["peak_rss"] = sample["child_maxrss"]
-    return sample
 
 
 def _contention(j0, j1, self0, self1, child, wall_s) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
 
-from ._pins import READ_ALIGN
+from ..engine.pins import READ_ALIGN
 
 KINDS = ("gate", "up", "down", "gate_up")
 

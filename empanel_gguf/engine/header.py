@@ -3,7 +3,7 @@ eviction policies.
 
 Both are declared once, as X-macro lists in the header (EMPANEL_LAYER_COUNTERS, EMPANEL_POLICIES):
 the C structs and enums, the programs' stats file and /metrics (csrc/load.c), the cffi
-declarations (_native.py) and the Python names all come from them. This module reads the header
+declarations (native.py) and the Python names all come from them. This module reads the header
 that came with the libraries (the source tree's in a checkout); it loads no library, so planning
 can use it.
 
@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # empanel_gguf/, which holds lib/
 SOURCE_HEADER = PACKAGE_DIR.parent / "csrc" / "empanel.h"
 
 
@@ -41,7 +41,7 @@ class Counter:
 
 def lib_dir():
     """Where our libllama, libggml*, libempanel and empanel.h live: EMPANEL_GGUF_LIB_DIR, else the
-    package's lib/ (_native loads the libraries from here)."""
+    package's lib/ (native.py loads the libraries from here)."""
     return Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_DIR / "lib")
 
 

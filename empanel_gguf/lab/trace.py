@@ -1,8 +1,8 @@
 """Routing traces: every token's routed experts in every MoE layer, recorded from a real run.
 
     from empanel_gguf import Llama
-    from empanel_gguf.recorder import Recorder
-    from empanel_gguf.trace import load_trace
+    from empanel_gguf.lab.recorder import Recorder
+    from empanel_gguf.lab.trace import load_trace
 
     llm = Llama("model.gguf", moe_trace=True, moe_slots="25%")   # slots optional
     rec = Recorder(llm)

@@ -158,7 +158,7 @@ class Recorder:
             raise ValueError("generate: evaluate a prompt first")
         if n < 0:
             n = self.n_ctx - llm.n_tokens
-        from . import llama_cpp
+        from .. import llama_cpp
 
         if seed is not None:
             llm.set_seed(seed)
@@ -236,7 +236,7 @@ class Recorder:
                      meta=self.meta(), guesses=guesses if any_guess else None)
 
     def meta(self) -> dict:
-        from . import __version__
+        from .. import __version__
 
         llm, index, plan = self.llm, self.index, self.plan
         paged = index.layers[plan.resident_layers:] if plan else index.layers

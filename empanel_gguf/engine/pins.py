@@ -1,6 +1,6 @@
 """The llama.cpp that empanel-gguf builds on, pinned in one place.
 
-The build (scripts/llama_source.py, CMakeLists.txt) and the runtime check (_native.py) both read
+The build (scripts/llama_source.py, CMakeLists.txt) and the runtime check (native.py) both read
 these values. Keep `llama-cpp-python==` in pyproject.toml equal to LLAMA_CPP_PYTHON_VERSION.
 This module imports nothing: the build loads it by file path.
 """

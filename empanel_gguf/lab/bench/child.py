@@ -8,7 +8,7 @@ import resource
 import time
 from pathlib import Path
 
-from ..host_memory import proc_status
+from ...planning.host_memory import proc_status
 from .host import read_sys
 from .configs import EMPANEL, MMAP
 
@@ -97,26 +97,58 @@ def _delta(after: dict | None, before: dict | None) -> dict | None:
 
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    result_path = Path(spec["result"])
     phase_path = Path(spec["result"] + ".phase")
 
     def phase(name):
         phase_path.write_text(name)
 
     phase("cgroup")
+    _join_cgroup(spec)
+    phase("import")
+    import numpy  # noqa: F401  (imported in this phase, before the baseline RSS, as the steps use it)
+
+    from empanel_gguf import Llama
+
+    baseline_rss = proc_status().get("VmRSS")
+    kwargs = _llama_kwargs(spec)
+    phase("load")
+    t0 = time.perf_counter()
+    llm = _load(Llama, spec, kwargs)
+    load_s = time.perf_counter() - t0
+    after_load = proc_status()
+    prompt, trace = token_trace(llm, spec["n_prompt"], spec["n_gen"])
+    warmup = _warm_up(llm, spec, phase) if spec.get("warmup") else None
+
+    disk = spec.get("disk_stat")
+    counts0 = _counts(llm, disk)
+    phase("pp")
+    pp = _eval_prompt(llm, prompt)
+    counts1 = _counts(llm, disk)
+    phase("tg")
+    tg = _decode(llm, trace, spec)
+    counts2 = _counts(llm, disk)
+    rss = {"baseline": baseline_rss, "after_load": after_load, "end": proc_status()}
+
+    result = _result(spec, llm, load_s, rss, warmup, {**pp, **_phase_counts(counts1, counts0)},
+                     {**tg, **_phase_counts(counts2, counts1)}, counts2[1])
+    Path(spec["result"]).write_text(json.dumps(result))
+    phase("close")
+    llm.close()
+    phase("done")
+    return 0
+
+
+def _join_cgroup(spec):
+    """This process first in line for the OOM killer, and in the run's memory cgroup if any."""
     try:  # if memory runs out machine-wide, the measured child goes first, not a bystander
         Path("/proc/self/oom_score_adj").write_text("1000\n")
     except OSError:
         pass
     if spec.get("cgroup_procs"):
         Path(spec["cgroup_procs"]).write_text(f"{os.getpid()}\n")  # before anything big is loaded
-    phase("import")
-    import numpy as np
 
-    import empanel_gguf
-    from empanel_gguf import Llama
 
-    baseline_rss = proc_status().get("VmRSS")
+def _llama_kwargs(spec) -> dict:
     kwargs = dict(n_ctx=spec["n_ctx"], n_batch=spec["n_batch"], n_ubatch=spec["n_ubatch"],
                   n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=False,
                   seed=0, verbose=True)
@@ -124,61 +156,72 @@ def child_main(spec_path: str) -> int:
     if spec["kind"] == EMPANEL:
         kwargs.update(spec.get("moe_opts") or {})
         kwargs["moe_slots"] = spec["moe_slots"]
+    return kwargs
 
-    phase("load")
-    t0 = time.perf_counter()
+
+def _load(Llama, spec, kwargs):
     if spec["kind"] == MMAP or spec.get("plain"):  # plain: pools of the plain layout (no CPU_REPACK)
         from empanel_gguf.llama import model_params
 
         with model_params(use_extra_bufts=False):
-            llm = Llama(spec["model"], **kwargs)
-    else:
-        llm = Llama(spec["model"], **kwargs)
-    load_s = time.perf_counter() - t0
-    after_load = proc_status()
-    prompt, trace = token_trace(llm, spec["n_prompt"], spec["n_gen"])
+            return Llama(spec["model"], **kwargs)
+    return Llama(spec["model"], **kwargs)
 
-    warmup = None
-    if spec.get("warmup"):
-        # like llama-bench, a warm-up run first (other text), so that the measured run sees the
-        # steady state (warm pools / page cache), not the first reads after load: a prompt of up
-        # to warmup_tokens in pieces of n_prompt, then n_gen decoded tokens, within warmup_s seconds
-        phase("warmup")
-        w_prompt, w_trace = token_trace(llm, spec["warmup_tokens"], spec["n_gen"], WARMUP_TEXT)
-        moe_w0 = _total(llm)
-        t0 = time.perf_counter()
-        n_pp = 0
-        while n_pp < len(w_prompt):
-            piece = w_prompt[n_pp:n_pp + max(1, spec["n_prompt"])]
-            llm.eval(piece)
-            n_pp += len(piece)
-            if time.perf_counter() - t0 > spec["warmup_s"]:
-                break
-        w_pp_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        n_tg = 0
-        for tok in w_trace:
-            if n_tg >= spec["min_tg"] and time.perf_counter() - t0 > spec["warmup_s"]:
-                break
-            llm.eval([tok])
-            n_tg += 1
-        w_tg_s = time.perf_counter() - t1
-        llm.reset()  # the next eval drops the warm-up's KV cells
-        warmup = {"pp": {"n": n_pp, "s": w_pp_s}, "tg": {"n": n_tg, "s": w_tg_s},
-                  "moe": _delta(_total(llm), moe_w0)}
 
-    disk = spec.get("disk_stat")
-    io0, moe0, dk0 = _proc_io(), _total(llm), _disk(disk)
-    phase("pp")
+def _warm_up(llm, spec, phase) -> dict:
+    """Like llama-bench, a warm-up run first (other text), so that the measured run sees the
+    steady state (warm pools / page cache), not the first reads after load: a prompt of up to
+    warmup_tokens in pieces of n_prompt, then n_gen decoded tokens, within warmup_s seconds."""
+    phase("warmup")
+    w_prompt, w_trace = token_trace(llm, spec["warmup_tokens"], spec["n_gen"], WARMUP_TEXT)
+    moe_w0 = _total(llm)
+    t0 = time.perf_counter()
+    n_pp = 0
+    while n_pp < len(w_prompt):
+        piece = w_prompt[n_pp:n_pp + max(1, spec["n_prompt"])]
+        llm.eval(piece)
+        n_pp += len(piece)
+        if time.perf_counter() - t0 > spec["warmup_s"]:
+            break
+    w_pp_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    n_tg = 0
+    for tok in w_trace:
+        if n_tg >= spec["min_tg"] and time.perf_counter() - t0 > spec["warmup_s"]:
+            break
+        llm.eval([tok])
+        n_tg += 1
+    w_tg_s = time.perf_counter() - t1
+    llm.reset()  # the next eval drops the warm-up's KV cells
+    return {"pp": {"n": n_pp, "s": w_pp_s}, "tg": {"n": n_tg, "s": w_tg_s},
+            "moe": _delta(_total(llm), moe_w0)}
+
+
+def _counts(llm, disk):
+    """(this process's I/O, the pools' totals, the disk's counters) now."""
+    return _proc_io(), _total(llm), _disk(disk)
+
+
+def _phase_counts(after, before) -> dict:
+    """What a phase read: bytes from the drive (/proc/self/io), the pools' counters, the disk's."""
+    return {"io_read_bytes": after[0].get("read_bytes", 0) - before[0].get("read_bytes", 0),
+            "moe": _delta(after[1], before[1]), **_disk_delta(after[2], before[2])}
+
+
+def _eval_prompt(llm, prompt) -> dict:
+    import numpy as np
+
     t0 = time.perf_counter()
     llm.eval(prompt)
     pp_s = time.perf_counter() - t0
     logits = last_logits(llm)
-    pp_finite = bool(np.isfinite(logits).all())
-    pp_spread = float(logits.std())
-    io1, moe1, dk1 = _proc_io(), _total(llm), _disk(disk)
+    return {"n": len(prompt), "s": pp_s, "finite": bool(np.isfinite(logits).all()), "logit_std": float(logits.std())}
 
-    phase("tg")
+
+def _decode(llm, trace, spec) -> dict:
+    """The forced continuation, one token per eval, until max_tg_s (at least min_tg tokens)."""
+    import numpy as np
+
     times, argmax, finite = [], [], True
     t_start = time.perf_counter()
     for tok in trace:
@@ -191,12 +234,15 @@ def child_main(spec_path: str) -> int:
         finite = finite and bool(np.isfinite(logits).all())
         if t1 - t_start > spec["max_tg_s"] and len(times) >= spec["min_tg"]:
             break
-    tg_finite = finite
-    io2, moe2, dk2 = _proc_io(), _total(llm), _disk(disk)
-    status = proc_status()
+    return {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax}
 
-    lib = empanel_gguf._native.lib_dir() / "libempanel.so"
-    result = {
+
+def _result(spec, llm, load_s, rss, warmup, pp, tg, moe_total) -> dict:
+    import empanel_gguf
+
+    lib = empanel_gguf.engine.native.lib_dir() / "libempanel.so"
+    status = rss["end"]
+    return {
         "status": "ok",
         "pid": os.getpid(),
         "empanel_gguf": str(Path(empanel_gguf.__file__).parent),
@@ -205,30 +251,20 @@ def child_main(spec_path: str) -> int:
         "n_ubatch": int(llm.context_params.n_ubatch),
         "n_batch": int(llm.n_batch),
         "n_threads": spec["threads"],
-        "rss_baseline": baseline_rss,
-        "rss_after_load": after_load.get("VmRSS"),
+        "rss_baseline": rss["baseline"],
+        "rss_after_load": rss["after_load"].get("VmRSS"),
         "peak_rss": status.get("VmHWM"),
         "rss_end": status.get("VmRSS"),
         "rss_anon_end": status.get("RssAnon"),
         "rss_file_end": status.get("RssFile"),
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "moe_slots_total": (moe2 or {}).get("n_slots"),
+        "moe_slots_total": (moe_total or {}).get("n_slots"),
         "moe_slots_resolved": getattr(llm, "moe_slots", None),
         "warmup": warmup,
-        "pp": {"n": len(prompt), "s": pp_s, "finite": pp_finite, "logit_std": pp_spread,
-               "io_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
-               "moe": _delta(moe1, moe0), **_disk_delta(dk1, dk0)},
-        "tg": {"n": len(times), "s": sum(times), "token_s": times, "finite": tg_finite,
-               "argmax": argmax,
-               "io_read_bytes": io2.get("read_bytes", 0) - io1.get("read_bytes", 0),
-               "moe": _delta(moe2, moe1), **_disk_delta(dk2, dk1)},
-        "moe_total": moe2,
+        "pp": pp,
+        "tg": tg,
+        "moe_total": moe_total,
     }
-    result_path.write_text(json.dumps(result))
-    phase("close")
-    llm.close()
-    phase("done")
-    return 0
 
 
 def _total(llm):
@@ -236,7 +272,7 @@ def _total(llm):
     stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
     total = dict(stats["total"]) if stats else None
     if getattr(llm, "rpc_servers", None) and total is None:  # stock: no pools, the wire still counts
-        from empanel_gguf.rpc import wire_counts
+        from empanel_gguf.engine.rpc import wire_counts
 
         total = {}
         total["wire_sent"], total["wire_received"], total["round_trips"] = wire_counts()

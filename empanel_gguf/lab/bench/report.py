@@ -7,7 +7,7 @@ from __future__ import annotations
 from .configs import CAP_NONE, EMPANEL, MMAP, STOCK
 from .runs import Bench
 
-from ..format import GiB, format_bytes
+from ...planning.format import GiB, format_bytes
 
 
 def fmt_bytes(n, unit=None):
@@ -130,6 +130,6 @@ def details_table(bench: Bench, rows) -> str:
 
 def kv_bytes(bench: Bench) -> int:
     """The KV cache of the context the runs use (F16), as the memory guard estimates it."""
-    from ..estimate import estimate
+    from ...planning.estimate import estimate
 
     return estimate(bench.index, None, n_ctx=bench.args.n_ctx).kv

@@ -10,7 +10,7 @@ when the host's cache (ggml-rpc-server -c) has seen it, else its bytes (csrc/rpc
 and its measurements: docs/rpc.md.
 """
 
-from ._native import native
+from .native import native
 
 
 class RpcError(RuntimeError):

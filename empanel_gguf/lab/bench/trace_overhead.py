@@ -22,7 +22,7 @@ def measure_overhead(model_path, schedule, repeats=3, **llama_kwargs):
     overhead (with / without - 1), in all and for the prompt and decode evaluations apart (a
     multi-threaded prompt on a busy machine is the noisier). `schedule`: (tokens, is_prompt) pairs as Recorder.schedule()
     gives; llama_kwargs: the Llama arguments of the run (moe_slots, moe_policy, n_ctx, ...)."""
-    from .. import Llama
+    from ... import Llama
 
     best = {False: [math.inf] * len(schedule), True: [math.inf] * len(schedule)}
     kwargs = dict(llama_kwargs, verbose=False)

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from . import _pins
+from . import pins
 from .header import HEADER_TEXT, SIDECAR_VERSION, header_path, lib_dir, parse_counters, parse_policies
 
 
@@ -51,11 +51,11 @@ def _check_llama(lib, where):
     commit_fn.restype = ctypes.c_char_p
     version = api_version()
     commit = commit_fn().decode()
-    if version != _pins.EMPANEL_API_VERSION or commit != _pins.LLAMA_COMMIT:
+    if version != pins.EMPANEL_API_VERSION or commit != pins.LLAMA_COMMIT:
         raise NativeLibraryError(
             f"llama_cpp loaded {where}: empanel API {version} on llama.cpp {commit[:12]}, but this "
-            f"empanel_gguf expects API {_pins.EMPANEL_API_VERSION} on llama.cpp "
-            f"{_pins.LLAMA_COMMIT[:12]}.\nHINT: the package and its libraries come from different "
+            f"empanel_gguf expects API {pins.EMPANEL_API_VERSION} on llama.cpp "
+            f"{pins.LLAMA_COMMIT[:12]}.\nHINT: the package and its libraries come from different "
             "builds; reinstall empanel-gguf (pip install --force-reinstall .)."
         )
 
@@ -89,7 +89,7 @@ def _check_struct_sizes(llama_cpp_module):
             raise NativeLibraryError(
                 f"ABI mismatch: sizeof({name}) is {c_size} bytes in {_loaded_llama_path(llama_cpp_module)} "
                 f"but {py_size} in llama_cpp's ctypes bindings.\nHINT: install "
-                f"llama-cpp-python=={_pins.LLAMA_CPP_PYTHON_VERSION}, the version empanel-gguf is built for."
+                f"llama-cpp-python=={pins.LLAMA_CPP_PYTHON_VERSION}, the version empanel-gguf is built for."
             )
 
 

@@ -1,7 +1,7 @@
 """Replay a routing trace (trace.py) through expert-cache policies (policies.py) at several sizes.
 
-    from empanel_gguf.trace import load_trace
-    from empanel_gguf.replay import replay
+    from empanel_gguf.lab.trace import load_trace
+    from empanel_gguf.lab.replay import replay
     report = replay(load_trace("trace.npz"), sizes=[8, 16, 32], policies=["lru", "belady"])
 
 Calls. The engine makes one remap call per micro-batch and MoE layer; the replay makes the same
@@ -30,10 +30,10 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from .format import format_bytes
-from .header import ENGINE_POLICIES
+from ..planning.format import format_bytes
+from ..engine.header import ENGINE_POLICIES
 from .policies import LAB_POLICIES, make_policy
-from .sizing import GLRU_HEADROOM, pool_slots
+from ..planning.sizing import GLRU_HEADROOM, pool_slots
 
 
 @dataclass
@@ -106,7 +106,7 @@ def run_policy(policy, calls, expert_bytes):
 def parse_sizes(text, trace):
     """'8,16,32' / '10%,25%' / '6GiB' (each like Llama's moe_slots) -> slots per layer, sorted,
     clamped to [top-k, n_expert]; with notes on what was adjusted."""
-    from .sizing import SlotsError, _wanted_slots
+    from ..planning.sizing import SlotsError, _wanted_slots
 
     index = SimpleNamespace(n_expert=trace.n_expert,
                             layers=[SimpleNamespace(expert_bytes=b) for b in trace.meta["expert_bytes"]])

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from .synthetic import ModelShape, write_model
-from ..format import GiB, MiB
-from ..host_memory import meminfo
+from ...planning.format import GiB, MiB
+from ...planning.host_memory import meminfo
 from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
@@ -25,10 +25,10 @@ from .report import details_table, fmt, fmt_bytes, main_table, model_label
 
 def build_info() -> dict:
     import empanel_gguf
-    from empanel_gguf import _native, _pins
+    from empanel_gguf.engine import native, pins
 
-    info = {"empanel_gguf": str(Path(empanel_gguf.__file__).parent), "lib_dir": str(_native.lib_dir()),
-            "llama_commit": _pins.LLAMA_COMMIT, "python": sys.version.split()[0]}
+    info = {"empanel_gguf": str(Path(empanel_gguf.__file__).parent), "lib_dir": str(native.lib_dir()),
+            "llama_commit": pins.LLAMA_COMMIT, "python": sys.version.split()[0]}
     try:
         root = Path(empanel_gguf.__file__).resolve().parent.parent
         head = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
@@ -206,17 +206,50 @@ def main(argv=None, reports=()) -> int:
     if bool(args.model) == bool(args.write_model):
         raise SystemExit("bench: give a model (-m MODEL.gguf) or --write-model PATH")
     if args.write_model:
-        shape = ModelShape(n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
-                           n_embd=args.embd, n_ff_exp=args.expert_ff, n_head=args.heads,
-                           n_head_kv=args.heads_kv, head_dim=args.head_dim, seed=args.seed,
-                           routing_skew=args.routing_skew)
-        model = write_model(shape, args.write_model, log=log)
+        model = _write_model(args)
         if args.write_only:
             return 0
     else:
         model = Path(args.model)
+    bench, configs = _setup(args, model)
 
-    from empanel_gguf.index import load_index
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    _log_setup(bench, model, configs)
+    rows, tables = None, None
+    t_start = time.perf_counter()
+    try:
+        _run_all(bench, configs)
+    except KeyboardInterrupt:
+        log("bench: interrupted; reporting what was measured")
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if bench.cgroup is not None:
+            bench.cgroup.remove()
+        rows = build_rows(bench, configs)
+        tables = {"main": main_table(bench, rows), "details": details_table(bench, rows)}
+        for title, report in reports:  # e.g. an issue's targets (scripts/bench.py)
+            tables[title] = report(bench, rows)
+        write_json(bench, configs, rows, tables)
+    _print_summary(bench, tables, reports, t_start)
+    return 0
+
+
+def _write_model(args) -> Path:
+    """--write-model: the synthetic model of the shape the flags give, written or reused."""
+    shape = ModelShape(n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
+                       n_embd=args.embd, n_ff_exp=args.expert_ff, n_head=args.heads,
+                       n_head_kv=args.heads_kv, head_dim=args.head_dim, seed=args.seed,
+                       routing_skew=args.routing_skew)
+    return write_model(shape, args.write_model, log=log)
+
+
+def _setup(args, model) -> tuple[Bench, list[Config]]:
+    """The model's index, the arguments completed, the configurations, and the Bench that holds
+    the machine's side of the runs (log folder, memory cgroup, readahead queue, drive probe)."""
+    from empanel_gguf.planning.index import load_index
 
     index = load_index(model)
     if not index.is_moe:
@@ -233,17 +266,8 @@ def main(argv=None, reports=()) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=f"empanel-bench-{started}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    cgroup, notices = None, []
-    mem = meminfo()
-    guard = None
-    if not args.no_cgroup and (any(c.cap == CAP for c in configs) or os.geteuid() == 0):
-        try:
-            cgroup = MemCgroup(f"empanel-bench-{os.getpid()}")
-            # uncapped runs still get a guard (available memory less 1 GiB), so an OOM kill hits the
-            # measured child and not another process on the machine
-            guard = max(GiB, mem.get("MemAvailable", 0) - GiB) if mem.get("MemAvailable") else None
-        except OSError as e:
-            notices.append(f"no memory cgroup ({e}); capped configurations are skipped")
+    notices = []
+    cgroup, guard = _memory_cgroup(args, configs, notices)
     queue_dir = block_queue_dir(model)
     if any(c.readahead_kb is not None for c in configs) and queue_dir is None:
         notices.append(f"no block queue found for {model}; readahead configurations are skipped")
@@ -257,69 +281,89 @@ def main(argv=None, reports=()) -> int:
                   cap_bytes=int(args.cap * model_bytes), guard_bytes=guard, cgroup=cgroup,
                   queue_dir=queue_dir, log_dir=log_dir, probe_chunk=probe_chunk, probe_depth=probe_depth,
                   probe_direct=probe_direct, notices=notices, started=started)
+    return bench, configs
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
 
-    old_term = signal.signal(signal.SIGTERM, on_term)
-    log(f"bench: {model} ({model_bytes / GiB:.2f} GiB; experts {index.expert_bytes_total / GiB:.2f} GiB, "
+def _memory_cgroup(args, configs, notices):
+    """(the runs' memory cgroup or None, the guard for uncapped runs or None)."""
+    cgroup, guard = None, None
+    mem = meminfo()
+    if not args.no_cgroup and (any(c.cap == CAP for c in configs) or os.geteuid() == 0):
+        try:
+            cgroup = MemCgroup(f"empanel-bench-{os.getpid()}")
+            # uncapped runs still get a guard (available memory less 1 GiB), so an OOM kill hits the
+            # measured child and not another process on the machine
+            guard = max(GiB, mem.get("MemAvailable", 0) - GiB) if mem.get("MemAvailable") else None
+        except OSError as e:
+            notices.append(f"no memory cgroup ({e}); capped configurations are skipped")
+    return cgroup, guard
+
+
+def _log_setup(bench: Bench, model, configs):
+    args, index = bench.args, bench.index
+    log(f"bench: {model} ({bench.model_bytes / GiB:.2f} GiB; experts {index.expert_bytes_total / GiB:.2f} GiB, "
         f"rest {index.other_bytes_total / MiB:.0f} MiB; {index.cold_bytes_per_token / MiB:.0f} MiB/token cold)")
     log(f"bench: {len(configs)} configurations x {args.repetitions}: {', '.join(c.key for c in configs)}")
-    log(f"bench: cap {bench.cap_bytes / GiB:.2f} GiB, guard {fmt_bytes(guard)}, readahead queue {queue_dir}, "
-        f"logs in {log_dir}")
-    for text in notices:
+    log(f"bench: cap {bench.cap_bytes / GiB:.2f} GiB, guard {fmt_bytes(bench.guard_bytes)}, readahead queue "
+        f"{bench.queue_dir}, logs in {bench.log_dir}")
+    for text in bench.notices:
         log(f"bench: NOTE {text}")
-    rows, tables = None, None
-    t_start = time.perf_counter()
-    try:
-        if args.probe_s > 0:
-            bench.drive.append({"when": "start", **(probe_drive(index, 2 * args.probe_s, probe_chunk, probe_depth,
-                                                                 seed=-1, direct=probe_direct) or {})})
-            log(f"bench: drive (O_DIRECT, {probe_chunk // 1024} KiB x {probe_depth}): "
-                f"{fmt(bench.drive[-1].get('gbps'))} GB/s {bench.drive[-1].get('error', '')}")
-        n = 0
-        dead = {}  # configuration -> why it is not repeated (OOM, skipped, error, timeout at load)
-        total = len(configs) * args.repetitions
-        for rep in range(1, args.repetitions + 1):
-            for cfg in configs:
-                n += 1
-                if cfg.key in dead:
-                    log(f"bench: [{n}/{total}] {cfg.key} rep {rep}: not repeated ({dead[cfg.key]})")
-                    continue
-                for attempt in range(args.retry_busy + 1):
-                    t0 = time.perf_counter()
-                    s = run_child(bench, cfg, rep, n if attempt == 0 else 1000 * attempt + n)
-                    bench.samples.append(s)
-                    log(f"bench: [{n}/{total}] {cfg.key} rep {rep}: {_progress(s)} ({time.perf_counter() - t0:.0f} s)")
-                    busy = s.get("others_cpu_pct")
-                    if s["status"] != "ok" or busy is None or busy <= args.busy_pct or attempt == args.retry_busy:
-                        break
-                    s["discarded"] = f"other processes used {busy:.0f}% of the CPUs during the run"
-                    log(f"bench:   discarded: {s['discarded']}; running it again")
-                    write_json(bench, configs)
-                if s["status"] in ("oom", "skipped", "error") or (s["status"] == "timeout" and s.get("phase") == "load"):
-                    dead[cfg.key] = f"{s['status']} in rep {rep}"
-                write_json(bench, configs)
-        if args.probe_s > 0:
-            bench.drive.append({"when": "end", **(probe_drive(index, 2 * args.probe_s, probe_chunk, probe_depth,
-                                                               seed=-2, direct=probe_direct) or {})})
-            log(f"bench: drive at the end: {fmt(bench.drive[-1].get('gbps'))} GB/s")
-    except KeyboardInterrupt:
-        log("bench: interrupted; reporting what was measured")
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        if cgroup is not None:
-            cgroup.remove()
-        rows = build_rows(bench, configs)
-        tables = {"main": main_table(bench, rows), "details": details_table(bench, rows)}
-        for title, report in reports:  # e.g. an issue's targets (scripts/bench.py)
-            tables[title] = report(bench, rows)
-        write_json(bench, configs, rows, tables)
+
+
+def _run_all(bench: Bench, configs):
+    """Every configuration, repetition by repetition, between drive probes at the start and end."""
+    args, index = bench.args, bench.index
+    if args.probe_s > 0:
+        bench.drive.append({"when": "start", **(probe_drive(index, 2 * args.probe_s, bench.probe_chunk,
+                                                             bench.probe_depth, seed=-1,
+                                                             direct=bench.probe_direct) or {})})
+        log(f"bench: drive (O_DIRECT, {bench.probe_chunk // 1024} KiB x {bench.probe_depth}): "
+            f"{fmt(bench.drive[-1].get('gbps'))} GB/s {bench.drive[-1].get('error', '')}")
+    n = 0
+    dead = {}  # configuration -> why it is not repeated (OOM, skipped, error, timeout at load)
+    total = len(configs) * args.repetitions
+    for rep in range(1, args.repetitions + 1):
+        for cfg in configs:
+            n += 1
+            _run_config(bench, configs, cfg, rep, n, total, dead)
+    if args.probe_s > 0:
+        bench.drive.append({"when": "end", **(probe_drive(index, 2 * args.probe_s, bench.probe_chunk,
+                                                           bench.probe_depth, seed=-2,
+                                                           direct=bench.probe_direct) or {})})
+        log(f"bench: drive at the end: {fmt(bench.drive[-1].get('gbps'))} GB/s")
+
+
+def _run_config(bench: Bench, configs, cfg: Config, rep: int, n: int, total: int, dead: dict):
+    """Sample n of `total`: one run of `cfg` (again while other processes kept the CPUs busy, up to
+    --retry-busy times); a configuration that cannot run is marked dead and not repeated."""
+    args = bench.args
+    if cfg.key in dead:
+        log(f"bench: [{n}/{total}] {cfg.key} rep {rep}: not repeated ({dead[cfg.key]})")
+        return
+    for attempt in range(args.retry_busy + 1):
+        t0 = time.perf_counter()
+        s = run_child(bench, cfg, rep, n if attempt == 0 else 1000 * attempt + n)
+        bench.samples.append(s)
+        log(f"bench: [{n}/{total}] {cfg.key} rep {rep}: {_progress(s)} ({time.perf_counter() - t0:.0f} s)")
+        busy = s.get("others_cpu_pct")
+        if s["status"] != "ok" or busy is None or busy <= args.busy_pct or attempt == args.retry_busy:
+            break
+        s["discarded"] = f"other processes used {busy:.0f}% of the CPUs during the run"
+        log(f"bench:   discarded: {s['discarded']}; running it again")
+        write_json(bench, configs)
+    if s["status"] in ("oom", "skipped", "error") or (s["status"] == "timeout" and s.get("phase") == "load"):
+        dead[cfg.key] = f"{s['status']} in rep {rep}"
+    write_json(bench, configs)
+
+
+def _print_summary(bench: Bench, tables, reports, t_start):
+    """The tables, the drive's rates, the run's parameters, the reports and the notices (stdout)."""
+    args = bench.args
     print(f"\n{tables['main']}\n")
     print(f"{tables['details']}\n")
     drives = [f"{d['when']} {d['gbps']:.2f}" for d in bench.drive if d.get("gbps")]
     per = [s["drive"]["gbps"] for s in bench.samples if (s.get("drive") or {}).get("gbps")]
-    print(f"drive O_DIRECT ({probe_chunk // 1024} KiB chunks, depth {probe_depth}): "
+    print(f"drive O_DIRECT ({bench.probe_chunk // 1024} KiB chunks, depth {bench.probe_depth}): "
           f"{', '.join(drives) or '-'} GB/s; before each run: median {fmt(median(per))}, "
           f"min {fmt(min(per) if per else None)}, max {fmt(max(per) if per else None)} GB/s")
     warm = (f"after a warm-up on other text (pp{args.warmup_tokens} + tg{args.n_gen}, at most "
@@ -331,11 +375,10 @@ def main(argv=None, reports=()) -> int:
         print(f"{title}:")
         for line in tables[title]:
             print(line)
-    for text in notices:
+    for text in bench.notices:
         print(f"NOTE: {text}")
     if args.json:
         log(f"bench: JSON in {args.json}")
-    return 0
 
 
 def _progress(s) -> str:

@@ -2,7 +2,7 @@
 
 The counters are declared once, in csrc/empanel.h (EMPANEL_LAYER_COUNTERS, read by header.py):
 the C struct, the stats file and /metrics of llama.cpp's programs (csrc/load.c), the cffi
-declaration of the struct (_native.py) and the names here are all made from that list.
+declaration of the struct (native.py) and the names here are all made from that list.
 
     NAMES                 every counter's name as reported (*_ns fields as *_s, seconds)
     layer_stats(raw)      {layer: {field: value}} -> {"layers": rows, "total": totals and rates}

@@ -3,15 +3,14 @@
     ExpertPools   the slot pools of one load, made from its plan (plan.LoadPlan) by the sidecar's
                   load steps (csrc/load.c, as for llama.cpp's programs); stats, trace, errors
     LabPool       a pool without files (empanel_lab_init): the engine's own policy code replayed
-                  over routing calls, for the policy lab (policies.py, replay.py)
+                  over routing calls, for the policy lab (lab/policies.py, lab/replay.py)
 """
 
 import numpy as np
 
-from . import _native
-from ._native import native
+from .native import NativeLibraryError, native
 from .header import COUNTERS, policy_id
-from .plan_file import load_text
+from ..planning.plan_file import load_text
 from .stats import layer_stats
 
 
@@ -35,7 +34,7 @@ class ExpertPools:
         text = load_text(load).encode()
         handle = self.n.sidecar.empanel_load_open(text, ffi.NULL, str(self.index.path).encode(), err, 512)
         if handle == ffi.NULL:
-            raise _native.NativeLibraryError(f"empanel: {ffi.string(err).decode(errors='replace') or 'no plan'}")
+            raise NativeLibraryError(f"empanel: {ffi.string(err).decode(errors='replace') or 'no plan'}")
         self.load = handle
         self.pool = self.n.sidecar.empanel_load_pool(handle)
         if load.options.trace:
@@ -53,7 +52,7 @@ class ExpertPools:
         order; stop the graph when a read fails."""
         err = self.n.ffi.new("char[]", 512)
         if self.n.sidecar.empanel_load_bind(self.load, self.n.ptr(model), err, 512) != 0:
-            raise _native.NativeLibraryError(f"empanel: {self.n.ffi.string(err).decode(errors='replace')}")
+            raise NativeLibraryError(f"empanel: {self.n.ffi.string(err).decode(errors='replace')}")
         self.n_masked = self.n.sidecar.empanel_load_masked(self.load)
         self.n.llama.llama_set_abort_callback(self.n.ptr(ctx), self.n.sidecar.empanel_pool_failed, self.pool)
 

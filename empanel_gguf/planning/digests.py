@@ -38,7 +38,7 @@ def default_path(index, identity=None) -> Path:
 
 def compute(index, hash64, progress=None) -> dict:
     """{tensor name: np.uint64 [n_expert]} over every routed-expert tensor of `index`, reading
-    each expert once; hash64(bytes) -> int is the sidecar's hash (_native.hash64);
+    each expert once; hash64(bytes) -> int is the sidecar's hash (engine.native.hash64);
     progress(done_bytes, total_bytes) after each tensor."""
     total = sum(t.nbytes for t in index.expert_tensors())
     done = 0

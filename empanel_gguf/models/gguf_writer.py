@@ -1,5 +1,5 @@
 """The GGUF metadata every model we write carries, written one way: the test fixtures
-(fixtures.py), the benchmark's synthetic model (bench/synthetic.py) and the built-in model's
+(fixtures.py), the benchmark's synthetic model (lab/bench/synthetic.py) and the built-in model's
 training (scripts/train_moe.py) all call these on a gguf.GGUFWriter.
 """
 
@@ -57,7 +57,7 @@ def copy_without_tensors(src, dst, drop) -> list:
     tensors a stock load would not count."""
     import struct
 
-    from .index import _read_header, align_up
+    from ..planning.index import _read_header, align_up
 
     header = _read_header(Path(src))
     kept, dropped = [], []
