@@ -420,7 +420,7 @@ int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err
 // still can be
 void    empanel_guess_post_deferred(struct empanel_pool * pool);
 
-// plan_file.c: a plan written down (empanel_gguf/plan_file.py; records described in plan_file.c)
+// plan_file.c: a plan written down (empanel_gguf/planning/plan_file.py; records described in plan_file.c)
 struct empanel_plan_order {
     int32_t    layer;
     int32_t    n;

@@ -4,7 +4,7 @@
 // sits in which slot of the layer's pools, picks victims on a miss, and reads the missing experts'
 // bytes from the GGUF file with pread on its own file descriptors.
 //
-// Python (empanel_gguf/_native.py, cffi in ABI mode) reads this header with preprocessor lines
+// Python (empanel_gguf/engine/native.py, cffi in ABI mode) reads this header with preprocessor lines
 // and comments removed: keep the declarations plain C.
 
 #include <stddef.h>
@@ -49,7 +49,7 @@ struct empanel_pool_params {
 };
 
 // The eviction policies (struct empanel_pool_params.policy), declared once: the enum below,
-// empanel_policy_name and the names Python accepts (empanel_gguf/header.py) come from this list.
+// empanel_policy_name and the names Python accepts (empanel_gguf/engine/header.py) come from this list.
 //   X(id, name as users give it)
 //   LRU        per layer: evict the least recently used expert
 //   LFU_DECAY  per layer: evict the least frequently used, counts halving every n_slots
@@ -70,7 +70,7 @@ enum empanel_policy {
 EMPANEL_API const char * empanel_policy_name(int32_t policy);
 
 // Every counter of a paged layer, declared once: the struct below, the stats JSON of llama.cpp's
-// programs and the Prometheus text (load.c), and the Python names (empanel_gguf/header.py reads
+// programs and the Prometheus text (load.c), and the Python names (empanel_gguf/engine/header.py reads
 // this list from this header) are all made from it.
 //   X(field, kind, metric, help)
 //   field   member of struct empanel_layer_stats, uint64_t; *_ns in nanoseconds (Python and the
@@ -286,8 +286,8 @@ EMPANEL_API int32_t empanel_pool_set_digests(struct empanel_pool * pool, const c
 EMPANEL_API int32_t empanel_pool_watching(struct empanel_pool * pool);
 
 // A load on slot pools from its plan (load.c): the same steps for a load in the Python process
-// (empanel_gguf/pools.py) and for llama.cpp's own programs. The plan is what empanel-gguf decided
-// before the load, written down (empanel_gguf/plan_file.py; the records are described in
+// (empanel_gguf/engine/pools.py) and for llama.cpp's own programs. The plan is what empanel-gguf decided
+// before the load, written down (empanel_gguf/planning/plan_file.py; the records are described in
 // csrc/plan_file.c).
 struct empanel_load;
 struct llama_model;

@@ -1,5 +1,5 @@
 // A load on slot pools, from its plan: the same steps for a load in the Python process
-// (empanel_gguf/pools.py) and for llama.cpp's own programs (llama-server, llama-cli, llama-bench,
+// (empanel_gguf/engine/pools.py) and for llama.cpp's own programs (llama-server, llama-cli, llama-bench,
 // llama-perplexity), so that the two never drift apart.
 //
 //   empanel_load_open    read the plan (text or file), make the pools, hand over the digests

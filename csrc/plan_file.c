@@ -1,4 +1,4 @@
-// The plan of a load written down (empanel_gguf/plan_file.py), read here into a struct
+// The plan of a load written down (empanel_gguf/planning/plan_file.py), read here into a struct
 // empanel_plan: from a file for llama.cpp's programs (EMPANEL_PLAN), from memory for a load in
 // the Python process. Both then go through load.c.
 //

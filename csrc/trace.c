@@ -1,5 +1,5 @@
 // The routing trace: every remap call's expert ids (and every guess's), appended for the lab
-// (empanel_trace_enable, empanel_gguf/lab/trace.py reads the records).
+// (empanel_trace_enable, empanel_gguf/lab/trace.py reads them).
 
 #include "empanel.h"
 #include "empanel-impl.h"
