@@ -204,10 +204,11 @@ def fuzz(model: Path, cases: int, seed: int, seconds: float, case_timeout: float
             "seconds": round(time.monotonic() - t0, 1), "outcomes": outcomes, "findings": findings}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", type=Path)
-    parser.add_argument("--cases", type=int, default=200)
+def fuzz_parser(doc: str, cases: int, model_optional: bool = False) -> argparse.ArgumentParser:
+    """The options every fuzzer here takes (this one and fuzz_plan.py)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model", nargs="?" if model_optional else None, type=Path)
+    parser.add_argument("--cases", type=int, default=cases)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=120, help="stop starting cases after this long")
     parser.add_argument("--case-timeout", type=float, default=60, help="seconds one case may take: a hang")
@@ -215,6 +216,26 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, help="where cases and findings go (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def run_fuzzer(fuzz_fn, args, prefix: str, what: str = "") -> int:
+    """Run fuzz_fn over args' cases in args.workdir (or a new temporary folder), print and write the
+    summary; 1 if anything was found."""
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    summary = fuzz_fn(args.model, args.cases, args.seed, args.seconds, args.case_timeout, args.mem_limit_gib, workdir)
+    print(f"{summary['cases']} cases in {summary['seconds']} s{what.format(**summary)}, "
+          f"{len(summary['findings'])} findings; outcomes: {json.dumps(summary['outcomes'])}")
+    if summary["findings"]:
+        print(f"findings kept in {workdir}")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    return 1 if summary["findings"] else 0
+
+
+def main(argv=None) -> int:
+    parser = fuzz_parser(__doc__, cases=200, model_optional=True)
     args = parser.parse_args(argv)
     if args.worker:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -222,16 +243,7 @@ def main(argv=None) -> int:
         return 0
     if args.model is None:
         parser.error("give a GGUF model")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="empanel-fuzz-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    summary = fuzz(args.model, args.cases, args.seed, args.seconds, args.case_timeout, args.mem_limit_gib, workdir)
-    print(f"{summary['cases']} cases in {summary['seconds']} s ({summary['header_bytes']} header bytes), "
-          f"{len(summary['findings'])} findings; outcomes: {json.dumps(summary['outcomes'])}")
-    if summary["findings"]:
-        print(f"findings kept in {workdir}")
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
-    return 1 if summary["findings"] else 0
+    return run_fuzzer(fuzz, args, "empanel-fuzz-", " ({header_bytes} header bytes)")
 
 
 if __name__ == "__main__":

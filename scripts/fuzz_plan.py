@@ -23,7 +23,6 @@ import random
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ for path in (REPO, SCRIPTS):  # this checkout's empanel_gguf, and the GGUF fuzze
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from fuzz_gguf import RESULT, Worker, _step, cap_memory, tally  # noqa: E402
+from fuzz_gguf import RESULT, Worker, _step, cap_memory, fuzz_parser, run_fuzzer, tally  # noqa: E402
 
 BASE = "fuzz-base: "
 SLOTS = 4
@@ -199,16 +198,7 @@ def fuzz(model: Path, cases: int, seed: int, seconds: float, case_timeout: float
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
-    parser.add_argument("--cases", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seconds", type=float, default=120, help="stop starting cases after this long")
-    parser.add_argument("--case-timeout", type=float, default=60, help="seconds one case may take: a hang")
-    parser.add_argument("--mem-limit-gib", type=float, default=4)
-    parser.add_argument("--workdir", type=Path, help="where cases and findings go (default: a temporary folder)")
-    parser.add_argument("--json", type=Path, help="write the summary here")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser = fuzz_parser(__doc__, cases=300)
     parser.add_argument("--base", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.base:
@@ -217,16 +207,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.model, args.mem_limit_gib)
         return 0
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="empanel-plan-fuzz-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    summary = fuzz(args.model, args.cases, args.seed, args.seconds, args.case_timeout, args.mem_limit_gib, workdir)
-    print(f"{summary['cases']} cases in {summary['seconds']} s, {len(summary['findings'])} findings; "
-          f"outcomes: {json.dumps(summary['outcomes'])}")
-    if summary["findings"]:
-        print(f"findings kept in {workdir}")
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
-    return 1 if summary["findings"] else 0
+    return run_fuzzer(fuzz, args, "empanel-plan-fuzz-")
 
 
 if __name__ == "__main__":
