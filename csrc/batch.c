@@ -329,7 +329,7 @@ static void account_dropped(struct empanel_pool * pool, struct empanel_layer * l
 }
 
 int empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor) {
-    if (!pool->batch.inflight || !pool->reader.by_tensor || pool->batch.layer != layer) {
+    if (!pool->batch.inflight || !pool->reader.posted.by_tensor || pool->batch.layer != layer) {
         return 0; // its reads are done (or were never posted so)
     }
     const uint64_t t0 = empanel_now_ns();
@@ -344,14 +344,14 @@ int empanel_batch_finish(struct empanel_pool * pool) {
     if (!pool->batch.inflight) {
         return 0;
     }
-    const int      ready = pool->reader.by_tensor; // (empanel_reader_finish clears it)
+    const int      ready = pool->reader.posted.by_tensor; // (empanel_reader_finish clears it)
     const uint64_t t0    = empanel_now_ns();
     empanel_reader_finish(pool);
     const uint64_t t1 = empanel_now_ns();
     pool->batch.inflight = 0;
 
     struct empanel_layer * layer = pool->batch.layer;
-    if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
+    if (atomic_load(&pool->reader.posted.batch_failed) || atomic_load(&pool->failed)) {
         empanel_host_cache_batch_landed(pool, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
@@ -374,7 +374,7 @@ int empanel_batch_finish(struct empanel_pool * pool) {
             layer->stats.host_bytes += job->tier == 2 ? job->tensor->expert_size : 0;
         }
     }
-    if (atomic_load(&pool->reader.batch_failed) || atomic_load(&pool->failed)) {
+    if (atomic_load(&pool->reader.posted.batch_failed) || atomic_load(&pool->failed)) {
         empanel_host_cache_batch_landed(pool, 0);
         return -1; // a reader thread's conversion failed
     }
@@ -397,7 +397,7 @@ int empanel_batch_finish(struct empanel_pool * pool) {
             layer->stats.verify_ns += job->verify_ns;
         }
     }
-    const uint64_t done = pool->reader.done_ns > pool->batch.t0 ? pool->reader.done_ns : t1;
+    const uint64_t done = pool->reader.posted.done_ns > pool->batch.t0 ? pool->reader.posted.done_ns : t1;
     layer->stats.read_ns    += (done < t1 ? done : t1) - pool->batch.t0;
     layer->stats.wait_ns    += t1 - t0;
     layer->stats.write_ns   += empanel_now_ns() - t1;
@@ -405,9 +405,9 @@ int empanel_batch_finish(struct empanel_pool * pool) {
         account_dropped(pool, layer);
     }
     layer->stats.bytes_read += pool->batch.payload - skipped;
-    layer->stats.io_bytes   += pool->batch.io_bytes - atomic_load(&pool->reader.skipped_io);
-    layer->stats.bounce_bytes += pool->batch.bounce_bytes - atomic_load(&pool->reader.skipped_bounce);
-    layer->stats.read_cpu_ns  += atomic_load(&pool->reader.cpu_ns);
+    layer->stats.io_bytes   += pool->batch.io_bytes - atomic_load(&pool->reader.posted.skipped_io);
+    layer->stats.bounce_bytes += pool->batch.bounce_bytes - atomic_load(&pool->reader.posted.skipped_bounce);
+    layer->stats.read_cpu_ns  += atomic_load(&pool->reader.posted.cpu_ns);
     layer->stats.n_reads    += (uint64_t) pool->batch.n_chunks;
     return 0;
 }

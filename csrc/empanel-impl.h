@@ -196,29 +196,10 @@ struct empanel_host_cache {
     int32_t  * entry_of;     // [n_layer * n_expert] entry of (layer, expert), -1: none
 };
 
-// reader threads: they and the calling thread share out the chunks of one batch
-struct empanel_reader {
-    pthread_t     * threads;      // [n_threads]
-    int32_t         n_threads;
-    uint8_t      ** bounce;       // [n_bounce] aligned chunk buffers (O_DIRECT), one per thread; last: caller's
-    int32_t         n_bounce;     // n_threads + 1 (of the threads asked for: some may not have started)
-    uint64_t        chunk_bytes;
-    int             direct;       // reads use O_DIRECT
-    int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
-                                  // the copies zero-copy reads save, measured side by side)
-    int             drop_ahead;   // read-ahead not routed is dropped (EMPANEL_READ_AHEAD_KEEP=1: read whole,
-                                  // as before, measured side by side)
-
-    pthread_mutex_t mutex;
-    pthread_cond_t  cond_work;    // a batch is posted (or stop)
-    pthread_cond_t  cond_done;    // the last chunk of the batch finished
-    uint64_t        generation;   // batches posted so far
-    int             stop;
-    uint64_t        done_ns;      // when the last chunk of the batch finished
-
-    // the batch posted (empanel_reader_post, under mutex; cleared by empanel_reader_finish), which
-    // the threads read
-    struct empanel_pool        * pool;
+// the batch posted to the reader threads (reader.c: written by empanel_reader_post under the
+// reader's mutex, before the threads wake; by_tensor cleared by empanel_reader_finish once no
+// thread is inside it). The threads read it; the atomics are what they write
+struct empanel_posted {
     int                          by_tensor;    // its tensors are waited for one by one (empanel_ready)
     const struct empanel_tensor * tensors;     // its layer's tensors
     atomic_int                   tensor_left[EMPANEL_MAX_TENSORS];      // jobs of tensor i not landed
@@ -233,6 +214,29 @@ struct empanel_reader {
     atomic_ullong                cpu_ns; // CPU time the threads spent on this batch
     atomic_ullong                skipped_io;     // file bytes of dropped chunks not read (empanel_batch_drop)
     atomic_ullong                skipped_bounce; // payload of those that would have been copied
+    uint64_t                     done_ns;        // when the last chunk of the batch finished (under mutex)
+};
+
+// reader threads: they and the calling thread share out the chunks of one batch (reader.c)
+struct empanel_reader {
+    pthread_t     * threads;      // [n_threads]
+    int32_t         n_threads;
+    uint8_t      ** bounce;       // [n_bounce] aligned chunk buffers (O_DIRECT), one per thread; last: caller's
+    int32_t         n_bounce;     // n_threads + 1 (of the threads asked for: some may not have started)
+    uint64_t        chunk_bytes;
+    int             direct;       // reads use O_DIRECT
+    int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
+                                  // the copies zero-copy reads save, measured side by side)
+    int             drop_ahead;   // read-ahead not routed is dropped (EMPANEL_READ_AHEAD_KEEP=1: read whole,
+                                  // as before, measured side by side)
+    struct empanel_pool * pool;
+
+    pthread_mutex_t mutex;
+    pthread_cond_t  cond_work;    // a batch is posted (or stop)
+    pthread_cond_t  cond_done;    // the last chunk of the batch finished
+    uint64_t        generation;   // batches posted so far
+    int             stop;
+    struct empanel_posted posted;
 };
 // g-lru (slots.c): every resident (layer, slot) in one list, least recently used first, and the
 // budget of resident bytes over all layers. Guarded by the pool's lock
@@ -291,13 +295,17 @@ struct empanel_batch {
     uint64_t                  t0;            // when it was posted (ns)
 };
 
+// one per model (pool.c makes and frees it). `lock` guards every field and every layer, except:
+// failed / error_claimed / error (atomics, util.c: any thread, the first failure wins), the
+// reader's posted batch (its own mutex, reader.c) and what is fixed after init (n_layer,
+// n_expert, policy, verify, lab, prefetch, subst_ratio, the files' descriptors)
 struct empanel_pool {
-    pthread_mutex_t lock;   // one remap at a time
+    pthread_mutex_t lock;   // one remap, guess, ready or API call at a time
     int32_t n_layer;
     int32_t n_expert;
     struct empanel_layer * layers; // [n_layer]
 
-    int32_t n_files;
+    int32_t n_files;               // files.c
     struct empanel_file * files;   // [n_files]
     int     watch_fd;              // inotify instance watching the files for writes, or -1
     int32_t changed_file;          // a file seen changed (for good), or -1

@@ -104,7 +104,7 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
     if (distance <= pool->prefetch && !pool->lab && !layer->waves.open && !layer->guess.prefetch_open) {
         if (!pool->batch.inflight) {
             prefetch_guess(pool, layer, n);
-        } else if (pool->reader.by_tensor && pool->deferred_guess == NULL) {
+        } else if (pool->reader.posted.by_tensor && pool->deferred_guess == NULL) {
             pool->deferred_guess = layer; // after the overlapped reads of the layer computing now
         }
     }

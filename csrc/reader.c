@@ -100,7 +100,7 @@ static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk
                           f->path, (unsigned long long) c->length, (unsigned long long) c->offset, strerror(EIO));
         return -1;
     }
-    uint8_t * dst = reader->jobs[c->job].dst + c->dst_offset;
+    uint8_t * dst = reader->posted.jobs[c->job].dst + c->dst_offset;
     if (reader->direct && f->fd_direct >= 0) {
         if (c->in_place) { // the whole window, at an aligned address of the job's own
             return pread_chunk(pool, f, f->fd_direct, dst - c->skip, c->length, c->offset, c->skip + c->payload);
@@ -119,14 +119,14 @@ static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk
 // tensor by tensor) a tensor's last expert landed
 static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) {
     struct empanel_pool        * pool = reader->pool;
-    const struct empanel_chunk * c    = &reader->chunks[i];
-    struct empanel_read_job    * job  = &reader->jobs[c->job];
+    const struct empanel_chunk * c    = &reader->posted.chunks[i];
+    struct empanel_read_job    * job  = &reader->posted.jobs[c->job];
     int failed = 0;
     int landed = 0; // the last expert of its tensor in this batch
     if (atomic_load(&job->dropped)) { // a read-ahead not routed: the expert never lands
         atomic_fetch_add(&job->skipped, c->payload);
-        atomic_fetch_add(&reader->skipped_io, c->length);
-        atomic_fetch_add(&reader->skipped_bounce, reader->direct && !c->in_place ? c->payload : 0);
+        atomic_fetch_add(&reader->posted.skipped_io, c->length);
+        atomic_fetch_add(&reader->posted.skipped_bounce, reader->direct && !c->in_place ? c->payload : 0);
     } else if (atomic_load(&pool->failed) || read_chunk(reader, c, bounce) != 0) {
         failed = 1; // skipped or failed: the batch is incomplete
     } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
@@ -138,20 +138,20 @@ static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) 
             failed = 1;
         } else {
             job->landed = 1;
-            if (reader->by_tensor) {
-                const int32_t ti = (int32_t) (job->tensor - reader->tensors);
-                landed = atomic_fetch_sub(&reader->tensor_left[ti], 1) == 1;
+            if (reader->posted.by_tensor) {
+                const int32_t ti = (int32_t) (job->tensor - reader->posted.tensors);
+                landed = atomic_fetch_sub(&reader->posted.tensor_left[ti], 1) == 1;
             }
         }
     }
     if (failed) {
-        atomic_store(&reader->batch_failed, 1);
+        atomic_store(&reader->posted.batch_failed, 1);
     }
-    const int last = atomic_fetch_add(&reader->done, 1) + 1 == reader->n_chunks;
+    const int last = atomic_fetch_add(&reader->posted.done, 1) + 1 == reader->posted.n_chunks;
     if (last || failed || landed) {
         pthread_mutex_lock(&reader->mutex);
         if (last) {
-            reader->done_ns = empanel_now_ns();
+            reader->posted.done_ns = empanel_now_ns();
         }
         pthread_cond_broadcast(&reader->cond_done);
         pthread_mutex_unlock(&reader->mutex);
@@ -162,14 +162,14 @@ static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) 
 static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
     const uint64_t cpu0 = empanel_thread_cpu_ns();
     for (;;) {
-        const int i = atomic_fetch_add(&reader->next, 1);
-        if (i >= reader->n_chunks) {
+        const int i = atomic_fetch_add(&reader->posted.next, 1);
+        if (i >= reader->posted.n_chunks) {
             break;
         }
         work_chunk(reader, i, bounce);
     }
     // counted before this thread leaves the batch: empanel_batch_finish waits for that (busy)
-    atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
 }
 
 struct thread_arg {
@@ -193,13 +193,13 @@ static void * reader_thread(void * arg_) {
             break;
         }
         seen = reader->generation;
-        atomic_fetch_add(&reader->busy, 1);
+        atomic_fetch_add(&reader->posted.busy, 1);
         pthread_mutex_unlock(&reader->mutex);
 
         work_batch(reader, bounce);
 
         pthread_mutex_lock(&reader->mutex);
-        if (atomic_fetch_sub(&reader->busy, 1) == 1) {
+        if (atomic_fetch_sub(&reader->posted.busy, 1) == 1) {
             pthread_cond_broadcast(&reader->cond_done);
         }
     }
@@ -312,25 +312,25 @@ void empanel_reader_post(struct empanel_pool * pool, struct empanel_read_job * j
     struct empanel_reader * reader = &pool->reader;
     pthread_mutex_lock(&reader->mutex);
     // a thread that woke late for the previous batch must leave it before the fields change
-    while (atomic_load(&reader->busy) > 0) {
+    while (atomic_load(&reader->posted.busy) > 0) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
-    atomic_store(&reader->batch_failed, 0);
-    atomic_store(&reader->cpu_ns, 0);
-    atomic_store(&reader->skipped_io, 0);
-    atomic_store(&reader->skipped_bounce, 0);
-    reader->jobs      = jobs;
-    reader->chunks    = chunks;
-    reader->n_chunks  = n_chunks;
-    reader->by_tensor = by_tensor;
-    reader->tensors   = layer->tensors;
+    atomic_store(&reader->posted.batch_failed, 0);
+    atomic_store(&reader->posted.cpu_ns, 0);
+    atomic_store(&reader->posted.skipped_io, 0);
+    atomic_store(&reader->posted.skipped_bounce, 0);
+    reader->posted.jobs      = jobs;
+    reader->posted.chunks    = chunks;
+    reader->posted.n_chunks  = n_chunks;
+    reader->posted.by_tensor = by_tensor;
+    reader->posted.tensors   = layer->tensors;
     for (int32_t i = 0; i < EMPANEL_MAX_TENSORS; i++) {
-        atomic_store(&reader->tensor_left[i], i < layer->n_tensors ? n_landing[i] : 0);
-        reader->tensor_chunk_end[i] = i < layer->n_tensors ? chunk_end[i] : 0;
+        atomic_store(&reader->posted.tensor_left[i], i < layer->n_tensors ? n_landing[i] : 0);
+        reader->posted.tensor_chunk_end[i] = i < layer->n_tensors ? chunk_end[i] : 0;
     }
-    reader->done_ns  = 0;
-    atomic_store(&reader->next, 0);
-    atomic_store(&reader->done, 0);
+    reader->posted.done_ns  = 0;
+    atomic_store(&reader->posted.next, 0);
+    atomic_store(&reader->posted.done, 0);
     reader->generation++;
     pthread_cond_broadcast(&reader->cond_work);
     pthread_mutex_unlock(&reader->mutex);
@@ -343,10 +343,10 @@ void empanel_reader_finish(struct empanel_pool * pool) {
 
     // every chunk done, and no thread still inside work_batch (it reads the batch's fields)
     pthread_mutex_lock(&reader->mutex);
-    while (atomic_load(&reader->done) < reader->n_chunks || atomic_load(&reader->busy) > 0) {
+    while (atomic_load(&reader->posted.done) < reader->posted.n_chunks || atomic_load(&reader->posted.busy) > 0) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
-    reader->by_tensor = 0;
+    reader->posted.by_tensor = 0;
     pthread_mutex_unlock(&reader->mutex);
 }
 
@@ -354,21 +354,21 @@ void empanel_reader_finish(struct empanel_pool * pool) {
 // before them) alongside the threads; 0, or -1 if a read of the batch failed
 int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     struct empanel_reader * reader = &pool->reader;
-    const int      limit = reader->tensor_chunk_end[ti];
+    const int      limit = reader->posted.tensor_chunk_end[ti];
     const uint64_t cpu0  = empanel_thread_cpu_ns();
-    int i = atomic_load(&reader->next);
+    int i = atomic_load(&reader->posted.next);
     while (i < limit) {
-        if (atomic_compare_exchange_weak(&reader->next, &i, i + 1)) {
+        if (atomic_compare_exchange_weak(&reader->posted.next, &i, i + 1)) {
             work_chunk(reader, i, reader->bounce[reader->n_bounce - 1]);
-            i = atomic_load(&reader->next);
+            i = atomic_load(&reader->posted.next);
         }
     }
-    atomic_fetch_add(&reader->cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
 
     pthread_mutex_lock(&reader->mutex);
-    while (atomic_load(&reader->tensor_left[ti]) > 0 && !atomic_load(&reader->batch_failed)) {
+    while (atomic_load(&reader->posted.tensor_left[ti]) > 0 && !atomic_load(&reader->posted.batch_failed)) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
     pthread_mutex_unlock(&reader->mutex);
-    return atomic_load(&reader->batch_failed) ? -1 : 0;
+    return atomic_load(&reader->posted.batch_failed) ? -1 : 0;
 }

@@ -17,7 +17,7 @@ int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
             layer->ready.rank[ti]    = layer->ready.next++;
         }
         // the layer's last tensor: its batch is accounted for here, nothing stays in flight
-        const int last = empanel_ready_all_seen(layer) && pool->batch.inflight && pool->reader.by_tensor &&
+        const int last = empanel_ready_all_seen(layer) && pool->batch.inflight && pool->reader.posted.by_tensor &&
                          pool->batch.layer == layer;
         if (empanel_batch_wait_tensor(pool, layer, ti) != 0 || (last && empanel_batch_finish(pool) != 0)) {
             empanel_batch_finish(pool); // nothing stays in flight after a failure
