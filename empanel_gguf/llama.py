@@ -18,7 +18,7 @@ from .engine.native import use_our_libraries
 from .planning.estimate import set_offload_probe, set_unified_probe
 from .planning.format import format_bytes
 from .planning.index import ModelError, load_index
-from .planning.plan import moe_options, plan_load, print_notices
+from .planning.plan import moe_options, plan_load, print_notices, stock_equivalent
 from .engine.pools import ExpertPools, MoeReadError
 from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
@@ -240,13 +240,16 @@ class Llama(llama_cpp.Llama):
         return "inotify" if self._experts.watching() else "stat"
 
     def moe_stats(self):
-        """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots; None
+        """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
+        "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit; None
         without slot pools. With rpc_servers the total also has wire_sent, wire_received (bytes
         this process exchanged with the RPC servers so far) and round_trips (commands it waited
         for an answer to)."""
         if self._experts is None:
             return None
         stats = self._experts.stats()
+        options = self.moe_load.options if self.moe_load is not None else None
+        stats["exact_to"] = stock_equivalent(self.moe_repack, options.subst if options is not None else None)
         if self.rpc_servers:
             total = stats["total"]
             total["wire_sent"], total["wire_received"], total["round_trips"] = rpc_wire_counts()

@@ -82,6 +82,7 @@ def test_bit_identical_to_stock_defaults(fixture_dir, name, moe_slots):
         assert np.array_equal(logits, ref_logits), \
             f"{n_prompt} prompt tokens: max |diff| {np.abs(logits - ref_logits).max()}"
 
+        assert stats["exact_to"] == "llama.cpp with its defaults"
         total = stats["total"]
         assert total["n_slots"] == sum(plan.n_slots)
         if plan.holds_all:
@@ -159,6 +160,7 @@ def test_no_repack_is_stock_no_repack(fixture_dir, name, capfd):
     assert "CPU slot pools size" in err and "CPU_REPACK slot pools" not in err, err[-2000:]
     assert stats["total"]["n_waves"] > stats["total"]["n_remaps"]  # the prompt ran in waves
     assert tokens == ref_tokens and np.array_equal(got, ref), np.abs(got - ref).max()
+    assert stats["exact_to"] == "llama.cpp --no-repack"  # the stock command that reproduces them
     if name == "qwen3moe-q4_k":  # 36 KiB experts: all but the window's edge blocks land in the slots
         assert stats["total"]["bounce_bytes"] <= stats["total"]["bytes_read"] // 9
 

@@ -163,6 +163,9 @@ def format_report(name, index, plan, stats, timings, rss):
         lines.append(f"  experts   hit rate {100 * t['hit_rate']:.1f}% ({t['hits']} hits, "
                      f"{t['misses']} misses): {format_bytes(t['bytes_read'])} read in "
                      f"{t['read_s']:.4f} s, {speed}")
+        if "exact_to" in stats:
+            lines.append(f"  exact     bit-identical to {stats['exact_to']}" if stats["exact_to"].startswith("llama.cpp")
+                         else f"  exact     {stats['exact_to']}")
         if "wire_sent" in t:
             lines.append(f"  rpc       {format_bytes(t['wire_sent'])} sent, {format_bytes(t['wire_received'])} "
                          f"received, {t['round_trips']} round trips; {format_bytes(t['copy_bytes'])} of experts "

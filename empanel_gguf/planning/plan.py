@@ -60,6 +60,15 @@ class MoeOptions:
 MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))
 
 
+def stock_equivalent(repack: bool, subst=None) -> str:
+    """The stock llama.cpp configuration whose logits a load with these options reproduces bit for
+    bit: the same weight layout (repack: stock's defaults, which repack on the CPU where ggml has a
+    repacked layout for the type; else --no-repack), with every expert in memory."""
+    if subst is not None:
+        return "none: routing substitution (moe_subst) changes the routing"
+    return "llama.cpp with its defaults" if repack else "llama.cpp --no-repack"
+
+
 def moe_options(**moe_kwargs) -> MoeOptions:
     """MoeOptions from Llama's keyword names (moe_policy=..., moe_profile=...). A moe_profile of
     "none"/"off"/"" means None. ValueError for an unknown moe_* name, naming the valid ones."""

@@ -160,7 +160,9 @@ def _llama_kwargs(spec) -> dict:
 
 
 def _load(Llama, spec, kwargs):
-    if spec["kind"] == MMAP or spec.get("plain"):  # plain: pools of the plain layout (no CPU_REPACK)
+    if spec["kind"] == EMPANEL and spec.get("plain"):  # pools of the plain layout (no CPU_REPACK)
+        return Llama(spec["model"], **dict(kwargs, moe_repack=False))  # its moe_stats() say what it ran
+    if spec["kind"] == MMAP:  # stock from the mapping: what stock can run where the model does not fit
         from empanel_gguf.llama import model_params
 
         with model_params(use_extra_bufts=False):
