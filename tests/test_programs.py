@@ -111,6 +111,8 @@ def test_llama_bench_prints_its_table_with_pools(model, tmp_path):
     assert ran, loads
     assert ran[-1]["misses"] > 0 and ran[-1]["bytes_read"] > 0 and ran[-1]["n_slots"] > 0
     assert re.search(r"empanel: \d+ hits, \d+ misses", proc.stderr), proc.stderr
+    assert "outputs bit-identical to llama.cpp with its defaults" in proc.stderr  # the stock command
+    assert loads[-1]["exact_to"] == "llama.cpp with its defaults"
 
 
 def test_programs_take_moe_repack_off_as_no_repack(model, text_file):
@@ -122,6 +124,7 @@ def test_programs_take_moe_repack_off_as_no_repack(model, text_file):
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("| model"))
     assert "rpk" in header, proc.stdout
+    assert "outputs bit-identical to llama.cpp --no-repack" in proc.stderr, proc.stderr[-1500:]
     paged = _ppl_values(_perplexity(model, text_file, "25%", "--moe-repack", "off"))
     stock = _ppl_values(_perplexity(model, text_file, "none", "--no-repack"))
     assert paged == stock

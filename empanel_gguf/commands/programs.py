@@ -216,6 +216,7 @@ def run_program(path, flags, env):
 def main(name, argv=None):
     from ..planning.guard import MemoryRefused
     from ..planning.index import ModelError
+    from ..planning.plan import stock_equivalent
     from ..planning.sizing import SlotsError
     from ..engine.stats import read_stats_file, summary_line
 
@@ -260,9 +261,12 @@ def main(name, argv=None):
     # llama.cpp's programs may first load the model without memory to size it (common's fit):
     # such a load never runs, and only the loads that did are reported
     ran = [stats for stats in loads if stats["total"]["n_remaps"] or stats["total"]["preloaded"]] or loads[-1:]
+    exact_to = stock_equivalent(args.moe_repack, getattr(args, "moe_subst", None))
     for i, stats in enumerate(ran):
         prefix = f"load {i + 1} of {len(ran)}: " if len(ran) > 1 else ""
-        note(prefix + summary_line(stats).removeprefix("empanel: "))
+        note(prefix + summary_line(stats).removeprefix("empanel: ") +
+             (f"; outputs bit-identical to {exact_to}" if exact_to.startswith("llama.cpp") else f"; exact to {exact_to}"))
+        stats["exact_to"] = exact_to
     if args.moe_stats_json:
         import json
 
