@@ -18,7 +18,7 @@ from .engine.native import use_our_libraries
 from .planning.estimate import set_offload_probe, set_unified_probe
 from .planning.format import format_bytes
 from .planning.index import ModelError, load_index
-from .planning.plan import moe_options, plan_load, print_notices, stock_equivalent
+from .planning.plan import moe_options, plan_load, print_notices, resolve_repack, stock_equivalent
 from .engine.pools import ExpertPools, MoeReadError
 from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
@@ -78,10 +78,11 @@ class Llama(llama_cpp.Llama):
         moe_verify: check every expert read against its XXH3-64 digest before it is used (a
             mismatch fails the decode with MoeReadError): the digests `empanel-gguf verify` saved
             for this file, else each expert's first read. Outputs unchanged. Default False.
-        moe_repack: False loads without CPU repack buffers, as llama.cpp's --no-repack
-            (use_extra_bufts=False), pools included: reads land in the slots, nothing is repacked.
-            Outputs then equal stock loaded the same way, not stock's defaults (other kernels).
-            Default True. Measured faster with paged layers on a 2-core CPU: docs/performance.md.
+        moe_repack: the weight layout. "auto" (the default): stock's defaults (CPU repack
+            buffers) where the pools hold every expert, and none where they page, as llama.cpp's
+            --no-repack (use_extra_bufts=False), pools included: reads land in the slots, nothing
+            is repacked; measured faster when paging (docs/performance.md). True / False force
+            one. Outputs equal stock loaded with the same layout; moe_stats()["exact_to"] names it.
         moe_host_cache: a host-RAM tier for pools in device memory (layers offloaded to a GPU), as
             a size ("16GiB") or bytes: experts the pools read stay in host memory (pinned where the
             backend offers it), and a miss is written from there before the drive is asked. None
@@ -110,7 +111,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
                  moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
-                 moe_verify=False, moe_repack=True, moe_host_cache=None, moe_host_cache_unified=False,
+                 moe_verify=False, moe_repack="auto", moe_host_cache=None, moe_host_cache_unified=False,
                  moe_mtp=False, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
         unknown = [key for key in kwargs if key.startswith("moe_")]
@@ -131,7 +132,7 @@ class Llama(llama_cpp.Llama):
         elif moe_load is not None and Path(moe_load.index.path).resolve() != Path(model_path).resolve():
             raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")
         self.moe_load = moe_load
-        self.moe_repack = moe_load.options.repack if moe_load is not None else bool(moe_repack)
+        self.moe_repack = moe_load.options.repack if moe_load is not None else resolve_repack(moe_repack, None)
         self.moe_mtp = moe_load.options.mtp if moe_load is not None else bool(moe_mtp)
         self.moe_slots = moe_load.moe_slots if moe_load is not None else None  # "auto" resolved
         self.moe_policy = moe_load.options.policy if moe_load is not None else moe_policy

@@ -77,7 +77,8 @@ def test_profile_changes_no_output(tmp_path):
     path = fixtures.write_fixture("qwen3moe-q4_k", tmp_path)
     profile = save_profile(calibrate(path, n_tokens=64), tmp_path / "p.json")
     runs = []
-    for moe in ({"moe_slots": None}, {"moe_slots": 4, "moe_profile": None}, {"moe_slots": 4, "moe_profile": str(profile)}):
+    # stock in the layout 4 paged slots choose (moe_repack auto: --no-repack)
+    for moe in ({"moe_slots": None, "moe_repack": False}, {"moe_slots": 4, "moe_profile": None}, {"moe_slots": 4, "moe_profile": str(profile)}):
         llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, **moe)
         try:
             runs.append(greedy_logits(llm, llm.tokenize(b"The quick brown fox jumps over the lazy dog"), 8))

@@ -111,8 +111,8 @@ def test_llama_bench_prints_its_table_with_pools(model, tmp_path):
     assert ran, loads
     assert ran[-1]["misses"] > 0 and ran[-1]["bytes_read"] > 0 and ran[-1]["n_slots"] > 0
     assert re.search(r"empanel: \d+ hits, \d+ misses", proc.stderr), proc.stderr
-    assert "outputs bit-identical to llama.cpp with its defaults" in proc.stderr  # the stock command
-    assert loads[-1]["exact_to"] == "llama.cpp with its defaults"
+    assert "outputs bit-identical to llama.cpp --no-repack" in proc.stderr  # paging: auto chose plain pools
+    assert loads[-1]["exact_to"] == "llama.cpp --no-repack"
 
 
 def test_programs_take_moe_repack_off_as_no_repack(model, text_file):
@@ -148,8 +148,9 @@ def _ppl_values(out):
 @pytest.mark.parametrize("fixture", [None, "mixtral", "qwen3moe-q4_k"])
 def test_llama_perplexity_same_with_and_without_slots(model, text_file, fixture, tmp_path):
     path = model if fixture is None else str(fixtures.write_fixture(fixture, tmp_path))
-    stock = _perplexity(path, text_file, "none")
+    stock = _perplexity(path, text_file, "none", "--no-repack")  # the layout paged pools choose (auto)
     paged = _perplexity(path, text_file, "25%")
+    assert "outputs bit-identical to llama.cpp --no-repack" in paged
     assert "runs without slot pools" in stock
     assert re.search(r"empanel: \d+ hits, \d+ misses", paged)
     assert _ppl_values(paged) == _ppl_values(stock)  # every chunk's value, printed to 4 decimals

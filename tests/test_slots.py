@@ -1,5 +1,6 @@
 """Exactness of the slot pools: logits and greedy tokens equal, bit for bit, stock llama.cpp
-(moe_slots=None) with its own defaults, micro-batch included.
+(moe_slots=None) in the weight layout the run names (moe_stats()["exact_to"]: stock's defaults
+where the pools hold every expert, --no-repack where they page), micro-batch included.
 
 No micro-batch cap: a micro-batch whose tokens route to more distinct experts than a pool holds
 runs in waves (each wave's experts resident, its pairs computed by the same kernels, written into
@@ -52,10 +53,19 @@ def run_stock_defaults(path, n_prompt, moe_slots, n_greedy=N_GREEDY, **moe):
 _baselines = {}
 
 
-def baseline(path, n_prompt):
-    key = (str(path), n_prompt)
+def stock_repack(stats):
+    """The layout of the stock run a pooled run equals: its defaults (CPU repack buffers) unless
+    the run names --no-repack (moe_repack auto pages plain pools)."""
+    return stats is None or stats["exact_to"] != "llama.cpp --no-repack"
+
+
+def baseline(path, n_prompt, stats=None):
+    """Stock llama.cpp with every expert resident, in the layout that the pooled run with these
+    stats names (moe_stats()["exact_to"]): its defaults, or --no-repack."""
+    repack = stock_repack(stats)
+    key = (str(path), n_prompt, repack)
     if key not in _baselines:
-        _baselines[key] = run_stock_defaults(path, n_prompt, None)
+        _baselines[key] = run_stock_defaults(path, n_prompt, None, moe_repack=repack)
     return _baselines[key]
 
 
@@ -74,7 +84,7 @@ def test_bit_identical_to_stock_defaults(fixture_dir, name, moe_slots):
     plan = plan_slots(index, moe_slots)
     for n_prompt in PROMPT_LENGTHS:
         logits, tokens, stats, n_ubatch = run_stock_defaults(path, n_prompt, moe_slots)
-        ref_logits, ref_tokens, ref_stats, ref_ubatch = baseline(path, n_prompt)
+        ref_logits, ref_tokens, ref_stats, ref_ubatch = baseline(path, n_prompt, stats)
         assert ref_stats is None
         assert n_ubatch == ref_ubatch == 512  # no cap: stock's own micro-batch
         assert tokens == ref_tokens, f"{n_prompt} prompt tokens"
@@ -82,7 +92,8 @@ def test_bit_identical_to_stock_defaults(fixture_dir, name, moe_slots):
         assert np.array_equal(logits, ref_logits), \
             f"{n_prompt} prompt tokens: max |diff| {np.abs(logits - ref_logits).max()}"
 
-        assert stats["exact_to"] == "llama.cpp with its defaults"
+        # auto layout: stock's defaults where the pools hold every expert, --no-repack where they page
+        assert stats["exact_to"] == ("llama.cpp with its defaults" if plan.holds_all else "llama.cpp --no-repack")
         total = stats["total"]
         assert total["n_slots"] == sum(plan.n_slots)
         if plan.holds_all:
@@ -163,6 +174,23 @@ def test_no_repack_is_stock_no_repack(fixture_dir, name, capfd):
     assert stats["exact_to"] == "llama.cpp --no-repack"  # the stock command that reproduces them
     if name == "qwen3moe-q4_k":  # 36 KiB experts: all but the window's edge blocks land in the slots
         assert stats["total"]["bounce_bytes"] <= stats["total"]["bytes_read"] // 9
+
+
+def test_repack_auto_is_a_rule(fixture_dir, monkeypatch):
+    """moe_repack="auto" (the default) resolves at plan time, by rule: stock's defaults where the
+    pools hold every expert or none page, plain pools (--no-repack) where they page, the defaults
+    again where waves may be masked; True/False force a layout; anything else is refused."""
+    from empanel_gguf.planning.plan import resolve_repack
+
+    index = load_index(fixtures.write_fixture("qwen3moe-q4_k", fixture_dir))
+    paged, full = plan_slots(index, 4), plan_slots(index, index.n_expert)
+    monkeypatch.delenv("EMPANEL_WAVE_MASK", raising=False)
+    assert resolve_repack("auto", None) and resolve_repack("auto", full) and not resolve_repack("auto", paged)
+    assert resolve_repack(True, paged) and not resolve_repack(False, full)
+    monkeypatch.setenv("EMPANEL_WAVE_MASK", "1")
+    assert resolve_repack("auto", paged)  # masked waves over plain Q4_K pools are not exact yet
+    with pytest.raises(ValueError, match="moe_repack='plain'"):
+        resolve_repack("plain", paged)
 
 
 def test_each_expert_read_once_per_micro_batch(fixture_dir):
@@ -309,7 +337,7 @@ def test_masked_waves_bit_identical(fixture_dir, name, monkeypatch):
     for moe_slots in (spec.n_expert_used, "25%"):
         for n_prompt in (9, 100, 700):
             logits, tokens, stats, _ = run_stock_defaults(path, n_prompt, moe_slots, n_greedy=8)
-            ref_logits, ref_tokens, _, _ = baseline(path, n_prompt)
+            ref_logits, ref_tokens, _, _ = baseline(path, n_prompt, stats)
             assert tokens == ref_tokens[:8] and np.array_equal(logits, ref_logits[: len(logits)]), \
                 f"{name} {moe_slots} slots, {n_prompt} tokens: max |diff| {np.abs(logits - ref_logits[: len(logits)]).max()}"
             total = stats["total"]
@@ -333,7 +361,7 @@ def test_resident_layers_bit_identical_and_accounted(fixture_dir, name):
     assert est.experts == plan.pool_bytes + plan.resident_bytes
     for n_prompt in (9, 100):
         logits, tokens, stats, _ = run_stock_defaults(path, n_prompt, "25%", moe_resident_layers=1)
-        ref_logits, ref_tokens, _, _ = baseline(path, n_prompt)
+        ref_logits, ref_tokens, _, _ = baseline(path, n_prompt, stats)
         assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
         assert first not in stats["layers"] and set(stats["layers"]) == set(index.moe_layers[1:])
     # a size pays for the resident layer first
@@ -361,7 +389,7 @@ def test_guess_and_prefetch_bit_identical(fixture_dir, name, prefetch):
     index = load_index(path)
     for n_prompt in (9, 100):
         logits, tokens, stats, _ = run_stock_defaults(path, n_prompt, "25%", moe_prefetch=prefetch)
-        ref_logits, ref_tokens, _, _ = baseline(path, n_prompt)
+        ref_logits, ref_tokens, _, _ = baseline(path, n_prompt, stats)
         assert tokens == ref_tokens and np.array_equal(logits, ref_logits), f"{n_prompt} prompt tokens"
         t = stats["total"]
         if len(index.layers) > 1:  # a layer after the first is guessed for every decoded token
@@ -396,7 +424,7 @@ def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
                 assert t["prefetched"] > 0, t
     monkeypatch.setenv("EMPANEL_READ_SYNC", "1")
     logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%")
-    ref_logits, ref_tokens, _, _ = baseline(path, 9)
+    ref_logits, ref_tokens, _, _ = baseline(path, 9, stats)
     assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
     assert stats["total"]["overlapped"] == 0
 
@@ -430,7 +458,7 @@ def test_read_ahead_not_routed_is_dropped(fixture_dir, name, monkeypatch):
 def test_guess_off_makes_no_guesses(fixture_dir):
     path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
     logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_guess=False)
-    ref_logits, ref_tokens, _, _ = baseline(path, 9)
+    ref_logits, ref_tokens, _, _ = baseline(path, 9, stats)
     assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
     assert stats["total"]["guessed"] == 0 and stats["total"]["guess_recall"] == 0.0
 
@@ -440,7 +468,7 @@ def test_glru_reads_ahead_with_a_full_budget(fixture_dir):
     other layer's expert goes): read-ahead keeps running for the whole decode, logits exact."""
     path = fixtures.write_fixture("qwen3moe-f32", fixture_dir)
     logits, tokens, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=32, moe_policy="g-lru", moe_prefetch=1)
-    ref_logits, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=32)
+    ref_logits, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=32, moe_repack=stock_repack(stats))
     assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
     t = stats["total"]
     # a budget of 4 experts per layer is full after the prompt; most decoded tokens still read ahead
@@ -454,7 +482,7 @@ def test_substitution_changes_outputs_only_when_on(fixture_dir):
 
     path = fixtures.write_fixture("qwen3moe-f32", fixture_dir)
     exact, exact_tokens, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=24)
-    ref, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=24)
+    ref, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=24, moe_repack=stock_repack(stats))
     assert np.array_equal(exact, ref) and stats["total"]["substituted"] == 0
     approx, _, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=24, moe_subst=0.3)
     assert stats["total"]["substituted"] > 0 and not np.array_equal(approx, ref)

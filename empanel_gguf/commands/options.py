@@ -50,6 +50,11 @@ def add_text_args(parser, what, n_tokens, more=""):
 # options: llama.cpp's names, each with an LLAMA_ARG_* environment variable
 
 
+def parse_repack(text):
+    """--moe-repack: auto, or a boolean."""
+    return "auto" if str(text).strip().lower() == "auto" else parse_bool(text)
+
+
 def parse_bool(text):
     value = str(text).strip().lower()
     if value in ("1", "on", "true", "yes", "y", "enabled"):
@@ -168,9 +173,12 @@ def add_moe_args(parser, moe_slots_default="auto"):
             help="routing substitution, INEXACT: a resident expert among the router's next choices stands "
                  "in for a missing one if its score is at least R x the missing one's (empanel-gguf kl "
                  "measures the cost)")
-    env_arg(parser, "--moe-repack", env="LLAMA_ARG_MOE_REPACK", type=parse_bool, default=True, metavar="on|off",
-            help="off: no CPU repack buffers, as llama.cpp's --no-repack: reads land in the slots, nothing is "
-                 "repacked; outputs equal stock loaded so, not stock's defaults")
+    env_arg(parser, "--moe-repack", env="LLAMA_ARG_MOE_REPACK", type=parse_repack, default="auto",
+            metavar="auto|on|off",
+            help="auto (default): stock's CPU repack buffers where the pools hold every expert, none where they "
+                 "page (plain pools: reads land in the slots, nothing is repacked; faster there); on: stock's "
+                 "defaults always; off: as llama.cpp's --no-repack always. The report names the stock command "
+                 "the outputs equal")
     env_arg(parser, "--moe-host-cache", env="LLAMA_ARG_MOE_HOST_CACHE", default=None, metavar="SIZE",
             help="a host-RAM tier for pools in device memory (offloaded layers): experts they read stay in "
                  "host memory and a miss is served from there before the drive (e.g. 16GiB)")

@@ -155,12 +155,11 @@ def _int_or(text, default):
 
 
 def plan_for_program(name, args, flags):
-    """A function stats_path -> the plan's text, or None when the program runs stock (no -m, no
-    slot pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
+    """The LoadPlan of the program's model, or None when the program runs stock (no -m, no slot
+    pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
     from ..planning.estimate import model_shape
     from ..planning.index import load_index
     from ..planning.plan import parse_moe_slots
-    from ..planning.plan_file import load_text
     from .options import plan_from_args
 
     values = program_flags(flags, lists=name == "llama-bench")
@@ -181,9 +180,7 @@ def plan_for_program(name, args, flags):
         kwargs["gpu_offload"] = True
         kwargs["n_gpu_layers"] = _int_or(values.get("ngl"), -1)
     load = plan_from_args(index, args, moe_slots, kwargs, lora_paths=values["lora"])
-    if load.pools is None:
-        return None
-    return lambda stats_path: load_text(load, stats_path=stats_path)
+    return load if load.pools is not None else None
 
 
 def run_program(path, flags, env):
@@ -216,15 +213,14 @@ def run_program(path, flags, env):
 def main(name, argv=None):
     from ..planning.guard import MemoryRefused
     from ..planning.index import ModelError
-    from ..planning.plan import stock_equivalent
+    from ..planning.plan import resolve_repack, stock_equivalent
+    from ..planning.plan_file import load_text
     from ..planning.sizing import SlotsError
     from ..engine.stats import read_stats_file, summary_line
 
     parser = setup_arg_parser(name)
     ours, flags = split_args(parser, list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(ours)
-    if not args.moe_repack:  # llama.cpp's own flag for use_extra_bufts = false
-        flags = flags + (["--repack", "0"] if name == "llama-bench" else ["--no-repack"])
     try:
         path = program_path(name)
     except FileNotFoundError as e:
@@ -235,16 +231,19 @@ def main(name, argv=None):
         plan_path = Path(tmp) / "plan.txt"
         stats_path = Path(tmp) / "stats.jsonl"
         try:
-            make_plan = plan_for_program(name, args, flags)
-            if make_plan is not None:
-                plan_path.write_text(make_plan(stats_path))
+            load = plan_for_program(name, args, flags)
+            if load is not None:
+                plan_path.write_text(load_text(load, stats_path=stats_path))
         except (ModelError, SlotsError, ValueError, OSError) as e:
             print(f"empanel-gguf {name}: {e}", file=sys.stderr)
             return 1
         except MemoryRefused as e:
             print(f"empanel-gguf {name}: refused: {e}", file=sys.stderr)
             return EXIT_MEMORY
-        if make_plan is None:
+        repack = load.options.repack if load is not None else resolve_repack(args.moe_repack, None)
+        if not repack:  # llama.cpp's own flag for use_extra_bufts = false
+            flags = flags + (["--repack", "0"] if name == "llama-bench" else ["--no-repack"])
+        if load is None:
             note(f"{name} runs without slot pools")
             return run_program(path, flags, env)
         # the program's libllama loads the libempanel next to itself (the same build)
@@ -261,7 +260,7 @@ def main(name, argv=None):
     # llama.cpp's programs may first load the model without memory to size it (common's fit):
     # such a load never runs, and only the loads that did are reported
     ran = [stats for stats in loads if stats["total"]["n_remaps"] or stats["total"]["preloaded"]] or loads[-1:]
-    exact_to = stock_equivalent(args.moe_repack, getattr(args, "moe_subst", None))
+    exact_to = stock_equivalent(repack, getattr(args, "moe_subst", None))
     for i, stats in enumerate(ran):
         prefix = f"load {i + 1} of {len(ran)}: " if len(ran) > 1 else ""
         note(prefix + summary_line(stats).removeprefix("empanel: ") +

@@ -19,6 +19,7 @@ tests/test_slots_guard.py holds the estimate to a measured peak RSS.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,3 +224,9 @@ def unified_devices():
 
 def _supports_gpu_offload():
     return bool(_ask(_offload_probe, False))
+
+
+def waves_may_be_masked():
+    """Whether a paged layer's waves may run masked in this process (llama-empanel.cpp): a device
+    layers can offload to (op offload may take plain host pools to it), or EMPANEL_WAVE_MASK=1."""
+    return os.environ.get("EMPANEL_WAVE_MASK") == "1" or _supports_gpu_offload()

@@ -18,10 +18,10 @@ Pure Python: it reads the model's header and our cache files, and loads no libra
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from .estimate import Estimate, estimate, model_shape, unified_devices
+from .estimate import Estimate, estimate, model_shape, unified_devices, waves_may_be_masked
 from .format import format_bytes
 from .guard import check, max_slots_that_fit
 from ..engine.header import ENGINE_POLICIES, policy_id
@@ -51,13 +51,34 @@ class MoeOptions:
     prefetch: int = 0
     subst: object = None           # a ratio in (0, 1], None: exact routing
     verify: bool = False
-    repack: bool = True            # False: no CPU repack buffers (llama.cpp's --no-repack): plain pools
+    repack: object = "auto"        # "auto" (resolve_repack), True: stock's defaults (CPU repack buffers),
+                                   # False: none (llama.cpp's --no-repack): plain pools
     host_cache: object = None      # the host-RAM tier of device pools: bytes or a size ("8GiB"); None: none
     host_cache_unified: bool = False  # keep the tier on a unified-memory device anyway
     mtp: bool = False              # load the file's MTP blocks (llama.cpp's load_mtp): their experts paged too
 
 
 MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))
+
+
+def resolve_repack(repack, plan) -> bool:
+    """moe_repack -> whether the load keeps llama.cpp's CPU repack buffers (its defaults) or not
+    (--no-repack). "auto" is a rule, not a probe, so that a load never flips between layouts:
+    pools that hold every expert (or no pools) keep stock's defaults; pools that page are plain,
+    because there plain pools measured faster on every row (48-layer 30B shape, 40 % cap, 2 cores,
+    2026-12-02: pp512 1.16-1.41x stock from the mapping against 0.86-0.91x repacked, decode
+    2.6-2.9x against 1.4-2.1x; docs/performance.md): reads land in plain slots, while repacked
+    slots cost the readers a repack of every expert, and stock itself can only run such a model
+    from the mapping, unrepacked. Where waves may be masked (a device to offload to, or
+    EMPANEL_WAVE_MASK=1) auto keeps the defaults too."""
+    if repack == "auto":
+        # masked waves over plain Q4_K pools measured 7e-7 off stock --no-repack (EMPANEL_WAVE_MASK=1,
+        # tests/test_slots.py): where waves may be masked, auto keeps stock's defaults
+        return plan is None or plan.holds_all or waves_may_be_masked()
+    if isinstance(repack, bool):
+        return repack
+    raise ValueError(f"moe_repack={repack!r}: 'auto', True (llama.cpp's defaults: CPU repack buffers) or False "
+                     "(--no-repack: plain pools)")
 
 
 def stock_equivalent(repack: bool, subst=None) -> str:
@@ -273,6 +294,10 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     plan = plan_slots(index, moe_slots, options.policy, resident_layers) if moe_slots is not None else None
     if plan is not None and index.n_layer_nextn:
         notes.append(_mtp_line(index))
+    if options.repack == "auto" and plan is not None and not resolve_repack("auto", plan):
+        notes.append("moe_repack auto: the pools page, so no CPU repack buffers (plain pools, as llama.cpp "
+                     "--no-repack, whose outputs these equal; moe_repack=True keeps stock's defaults)")
+    options = replace(options, repack=resolve_repack(options.repack, plan))
     est = estimate(index, plan, **kwargs)
     if plan is not None:
         notes += plan.notices
