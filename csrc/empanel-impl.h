@@ -18,6 +18,8 @@
 #define EMPANEL_STAGING     (8u << 20)  // bytes of staging for experts on their way to non-plain pools
 #define EMPANEL_MAX_READ_THREADS 256      // reader threads of a pool at most (params.n_threads)
 #define EMPANEL_MAX_CHUNK_BYTES  (1u << 30) // bytes of one read request at most (params.chunk_bytes)
+#define EMPANEL_MAX_QUEUE_DEPTH  256      // io_uring: reads in flight at most (params.queue_depth)
+#define EMPANEL_READ_IO_DEFAULT  EMPANEL_READ_IO_THREADS // read_io auto (docs/performance.md, "Reads at depth")
 
 // one routed-expert tensor of a layer: its experts in the file and its pool in memory
 struct empanel_tensor {
@@ -217,12 +219,47 @@ struct empanel_posted {
     uint64_t                     done_ns;        // when the last chunk of the batch finished (under mutex)
 };
 
-// reader threads: they and the calling thread share out the chunks of one batch (reader.c)
+// one read in a ring (ring.c: io_uring): bytes [offset, offset + length) of fd into buf
+struct empanel_ring_read {
+    int       fd;
+    uint8_t * buf;
+    uint64_t  length;
+    uint64_t  offset;
+    uint64_t  first;    // bytes the first request asks for, 0: all (the short-read failpoint)
+    uint64_t  done;     // bytes read (ring.c)
+    int       err;      // errno of the failed read, 0: none (ring.c)
+    int32_t   chunk;    // the caller's: the chunk it reads
+    uint8_t * bounce;   // the caller's: its bounce buffer (O_DIRECT windows not read in place)
+};
+
+struct empanel_ring; // ring.c
+
+// a ring of at most depth reads, or -1 with why (no io_uring in this build or this kernel)
+int  empanel_ring_init(struct empanel_ring ** out, int32_t depth, char * why, size_t why_size);
+void empanel_ring_free(struct empanel_ring * ring);
+int32_t empanel_ring_room(const struct empanel_ring * ring);      // reads that can be queued now
+int32_t empanel_ring_in_flight(const struct empanel_ring * ring); // queued or submitted, not reaped
+void empanel_ring_queue(struct empanel_ring * ring, struct empanel_ring_read * r); // submitted by reap
+// submit what is queued and wait for one read to finish: whole (done == length), ended by the
+// end of the file (done < length) or failed (err); NULL: nothing in flight, or the ring broke
+// (empanel_ring_broken: its errno; its reads in flight are given up)
+struct empanel_ring_read * empanel_ring_reap(struct empanel_ring * ring);
+int  empanel_ring_broken(const struct empanel_ring * ring);
+
+// reader threads: they and the calling thread share out the chunks of one batch (reader.c). With
+// io_uring, one reader thread keeps up to `depth` chunks in flight in its ring and lands them,
+// and the calling thread only waits
 struct empanel_reader {
+    int32_t         io;           // EMPANEL_READ_IO_THREADS or EMPANEL_READ_IO_URING: how chunks are read
+    int32_t         depth;        // io_uring: chunks in flight at most
+    struct empanel_ring      * ring;     // io_uring: the ring of reader thread 0, else NULL
+    struct empanel_ring_read * ring_ops; // [depth] its reads, each with a bounce buffer
     pthread_t     * threads;      // [n_threads]
     int32_t         n_threads;
-    uint8_t      ** bounce;       // [n_bounce] aligned chunk buffers (O_DIRECT), one per thread; last: caller's
-    int32_t         n_bounce;     // n_threads + 1 (of the threads asked for: some may not have started)
+    uint8_t      ** bounce;       // [n_bounce] aligned chunk buffers (O_DIRECT), one per thread; last: caller's;
+                                  // io_uring: one per read in the ring, then the caller's
+    int32_t         n_bounce;     // n_threads + 1 (of the threads asked for: some may not have started);
+                                  // io_uring: depth + 1
     uint64_t        chunk_bytes;
     int             direct;       // reads use O_DIRECT
     int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
@@ -260,11 +297,13 @@ struct empanel_trace {
     uint64_t  cap;
 };
 
-// failpoint for tests (reader.c): read requests from the after-th on fail with EIO (0: never),
+// failpoints for tests (reader.c): read requests from the after-th on fail with EIO (0: never),
 // count of them (0: all); set from EMPANEL_FAULT_READ_AFTER / _COUNT at init
 struct empanel_fault {
     int64_t      after;
     int64_t      count;
+    int          short_reads; // EMPANEL_FAULT_SHORT_READS=1: every request first asks for half its
+                              // bytes (a block multiple), as a short read returns them; the rest follows
     atomic_llong n_requests;
 };
 
@@ -486,7 +525,8 @@ int      empanel_files_check (struct empanel_pool * pool);
 int      empanel_file_is     (struct empanel_pool * pool, int32_t i, uint64_t dev, uint64_t ino, char * err,
                               size_t err_size);
 // reader.c
-int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size);
+int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, int32_t read_io,
+                              int32_t depth, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);
 // reader.c, for batch.c: post a batch's chunks to the threads; take chunks alongside them until
 // every chunk is done; wait until tensor ti's experts have landed (batches waited for tensor by

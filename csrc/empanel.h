@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 11
+#define EMPANEL_SIDECAR_VERSION 12
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -46,6 +46,17 @@ struct empanel_pool_params {
                            // share of the missing expert's score; 0: off
     int32_t  verify;       // 1: hash every expert read (XXH3-64) and check it against its digest
                            // (empanel_pool_set_digests, else the digest of its first read)
+    int32_t  read_io;      // enum empanel_read_io: how reads are issued (EMPANEL_READ_IO in the
+                           // environment overrides it: "threads" or "uring")
+    int32_t  queue_depth;  // io_uring: read requests in flight at most (default 32)
+};
+
+// how a pool issues its reads (struct empanel_pool_params.read_io)
+enum empanel_read_io {
+    EMPANEL_READ_IO_AUTO    = 0, // the default of this build and machine (docs/performance.md)
+    EMPANEL_READ_IO_THREADS = 1, // n_threads reader threads and the caller, pread each
+    EMPANEL_READ_IO_URING   = 2, // one reader thread, io_uring at queue_depth; where the build or the
+                                 // kernel has none: the threads, with a notice
 };
 
 // The eviction policies (struct empanel_pool_params.policy), declared once: the enum below,
@@ -201,6 +212,11 @@ EMPANEL_API int32_t empanel_subst(
         const float   * scores,
         int64_t         scores_row_stride,
         int32_t         n_tokens);
+
+// the read path the pool took (EMPANEL_READ_IO_THREADS or _URING)
+EMPANEL_API int32_t empanel_pool_read_io(struct empanel_pool * pool);
+// 1 if this build and kernel read with io_uring; 0 with the reason in why
+EMPANEL_API int32_t empanel_uring_available(char * why, size_t why_size);
 
 // what the pool decided that a user should know (e.g. "O_DIRECT refused, buffered reads"), or ""
 EMPANEL_API const char * empanel_pool_notice(struct empanel_pool * pool);

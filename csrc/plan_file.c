@@ -3,7 +3,7 @@
 // the Python process. Both then go through load.c.
 //
 // One record per line, fields separated by one space, a path always last (it may hold spaces).
-// Every record is required except pin, host-cache, order, digests and stats (and tensor when no layer is paged:
+// Every record is required except pin, host-cache, io, order, digests and stats (and tensor when no layer is paged:
 // a load that only traces routing), and `end` closes it (a truncated plan is refused).
 //
 //   empanel-plan <version>
@@ -18,6 +18,8 @@
 //                                                 graph (expert e in slot e; needs preload 1)
 //   host-cache <bytes>                            optional: the host-RAM tier of device pools
 //                                                 (host_cache.c); 0 or absent: none
+//   io <read_io> <queue_depth>                    optional: enum empanel_read_io and the io_uring
+//                                                 depth (0: defaults); absent: auto
 //   slots <n_slots of layer 0> ... <of layer n_layer-1>
 //   tensor <layer> <file> <offset> <expert_size> <name>
 //   order <layer> <n> <expert>... <n_uses: 0 or n> <uses>...
@@ -249,6 +251,11 @@ static enum record_result parse_pin(struct plan_reader * r, struct empanel_plan 
     return field_i32(r, &plan->pinned, 0, 1) != 0 ? RECORD_BAD : RECORD_FIXED;
 }
 
+static enum record_result parse_io(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    return field_i32(r, &plan->params.read_io, EMPANEL_READ_IO_AUTO, EMPANEL_READ_IO_URING) != 0 ||
+           field_i32(r, &plan->params.queue_depth, 0, EMPANEL_MAX_QUEUE_DEPTH) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
 static enum record_result parse_host_cache(struct plan_reader * r, struct empanel_plan * plan, char * err,
                                            size_t err_size) {
     return field_u64(r, &plan->host_cache_bytes, 10) != 0 ? RECORD_BAD : RECORD_FIXED;
@@ -393,6 +400,7 @@ static const struct {
     { "preload",    parse_preload,    PLAN_PRELOAD, 0 },
     { "pin",        parse_pin,        0,            0 },
     { "host-cache", parse_host_cache, 0,            0 },
+    { "io",         parse_io,         0,            0 },
     { "slots",      parse_slots,      PLAN_SLOTS,   1 },
     { "tensor",     parse_tensor,     PLAN_TENSOR,  1 },
     { "order",      parse_order,      0,            1 },

@@ -29,6 +29,19 @@ _Bool empanel_pool_failed(void * user) {
     return atomic_load(&pool->failed) != 0;
 }
 
+int32_t empanel_pool_read_io(struct empanel_pool * pool) {
+    return pool->reader.io;
+}
+
+int32_t empanel_uring_available(char * why, size_t why_size) {
+    struct empanel_ring * ring = NULL;
+    if (empanel_ring_init(&ring, 4, why, why_size) != 0) {
+        return 0;
+    }
+    empanel_ring_free(ring);
+    return 1;
+}
+
 const char * empanel_pool_notice(struct empanel_pool * pool) {
     return pool->notice;
 }
@@ -144,6 +157,8 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     pool->fault.after = fault != NULL ? atoll(fault) : 0;
     const char * fault_count = getenv("EMPANEL_FAULT_READ_COUNT");
     pool->fault.count = fault_count != NULL ? atoll(fault_count) : 0;
+    const char * fault_short = getenv("EMPANEL_FAULT_SHORT_READS");
+    pool->fault.short_reads = fault_short != NULL && atoi(fault_short) != 0;
     pool->n_layer      = n_layer;
     pool->n_expert     = n_expert;
     pool->policy       = policy;
@@ -270,7 +285,8 @@ struct empanel_pool * empanel_pool_init(
         rc = pool_add_tensor(pool, &tensors[i], paths, pool->verify, err, err_size);
     }
     if (rc != 0 || pool_link_lru(pool, params != NULL ? params->budget_bytes : 0, err, err_size) != 0 ||
-        empanel_reader_start(pool, n_threads, chunk_bytes, err, err_size) != 0) {
+        empanel_reader_start(pool, n_threads, chunk_bytes, params != NULL ? params->read_io : EMPANEL_READ_IO_AUTO,
+                             params != NULL ? params->queue_depth : 0, err, err_size) != 0) {
         empanel_pool_free(pool);
         return NULL;
     }

@@ -18,6 +18,16 @@
 //   those two go through the bounce buffer (at most EMPANEL_ALIGN bytes of payload copied per
 //   expert); the rest lands in the slot.
 // Anything else lands in the thread's bounce buffer and its payload is copied (stats.bounce_bytes).
+//
+// Two paths issue the reads (struct empanel_pool_params.read_io, EMPANEL_READ_IO):
+// - threads: n_threads reader threads and the caller each take a chunk, pread it, land it, take
+//   the next; the drive sees as many requests as threads;
+// - io_uring (ring.c): one reader thread keeps up to `depth` chunks in flight in its ring, submits
+//   them in one system call and lands each as it completes (the same landing: hash, repack, edge
+//   blocks), so the compute threads share the cores with one thread instead of n_threads; the
+//   caller only waits. Where the build or the kernel has no io_uring, the threads, with a notice.
+// Both take chunks in order from the same counter, fail the same way (the same messages, the
+// same failpoint) and land through the same code.
 
 #include "empanel-impl.h"
 
@@ -31,13 +41,21 @@
 // ------------------------------------------------------------------------------------------------
 // one chunk
 
+// the short-read failpoint: the first request of `length` bytes asks for half (a multiple of
+// EMPANEL_ALIGN, for O_DIRECT), or all of it when that is a block or less
+static uint64_t short_read_bytes(uint64_t length) {
+    const uint64_t half = empanel_align_down(length / 2);
+    return half > 0 ? half : length;
+}
+
 // read at least `need` bytes of [offset, offset + length) into dst; a read may end early only at
 // the end of the file, which holds no payload
 static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f, int fd, uint8_t * dst,
                        uint64_t length, uint64_t offset, uint64_t need) {
     uint64_t done = 0;
     while (done < length) {
-        const ssize_t n = pread(fd, dst + done, length - done, (off_t) (offset + done));
+        const uint64_t ask = done == 0 && pool->fault.short_reads ? short_read_bytes(length) : length - done;
+        const ssize_t n = pread(fd, dst + done, ask, (off_t) (offset + done));
         if (n < 0 && errno == EINTR) {
             continue;
         }
@@ -90,14 +108,23 @@ int empanel_reader_convert(struct empanel_pool * pool, const struct empanel_read
     return 0;
 }
 
-static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
-    struct empanel_pool * pool = reader->pool;
-    const struct empanel_file * f = &pool->files[c->file];
+// the test failpoint (EMPANEL_FAULT_READ_AFTER / _COUNT): -1 if this read request is to fail
+static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c) {
     const int64_t request = pool->fault.after > 0 ? atomic_fetch_add(&pool->fault.n_requests, 1) + 1 : 0;
     if (pool->fault.after > 0 && request >= pool->fault.after &&
         (pool->fault.count <= 0 || request < pool->fault.after + pool->fault.count)) {
         empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
-                          f->path, (unsigned long long) c->length, (unsigned long long) c->offset, strerror(EIO));
+                          pool->files[c->file].path, (unsigned long long) c->length, (unsigned long long) c->offset,
+                          strerror(EIO));
+        return -1;
+    }
+    return 0;
+}
+
+static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
+    struct empanel_pool * pool = reader->pool;
+    const struct empanel_file * f = &pool->files[c->file];
+    if (read_fault(pool, c) != 0) {
         return -1;
     }
     uint8_t * dst = reader->posted.jobs[c->job].dst + c->dst_offset;
@@ -114,20 +141,35 @@ static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk
     return pread_chunk(pool, f, f->fd, dst, c->payload, c->offset + c->skip, c->payload);
 }
 
-// read chunk i of the posted batch; the thread finishing a job's last chunk lands the expert (hash
-// check, repack). Waiters are woken by the batch's last chunk, a failure, and (batches waited for
-// tensor by tensor) a tensor's last expert landed
-static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) {
+// what became of a chunk taken from the posted batch
+enum chunk_outcome {
+    CHUNK_READ,    // its bytes are where they go
+    CHUNK_SKIPPED, // its expert was dropped (a read-ahead not routed): not read
+    CHUNK_FAILED,  // its read failed, or the batch failed before it was read
+};
+
+// the outcome of chunk i before it is read: skipped or failed already, else CHUNK_READ (to read)
+static enum chunk_outcome chunk_before_read(struct empanel_reader * reader, const struct empanel_chunk * c) {
+    if (atomic_load(&reader->posted.jobs[c->job].dropped)) {
+        return CHUNK_SKIPPED;
+    }
+    return atomic_load(&reader->pool->failed) ? CHUNK_FAILED : CHUNK_READ;
+}
+
+// chunk i of the posted batch is done; the thread finishing a job's last chunk lands the expert
+// (hash check, repack). Waiters are woken by the batch's last chunk, a failure, and (batches
+// waited for tensor by tensor) a tensor's last expert landed
+static void land_chunk(struct empanel_reader * reader, int i, enum chunk_outcome outcome) {
     struct empanel_pool        * pool = reader->pool;
     const struct empanel_chunk * c    = &reader->posted.chunks[i];
     struct empanel_read_job    * job  = &reader->posted.jobs[c->job];
     int failed = 0;
     int landed = 0; // the last expert of its tensor in this batch
-    if (atomic_load(&job->dropped)) { // a read-ahead not routed: the expert never lands
+    if (outcome == CHUNK_SKIPPED) { // a read-ahead not routed: the expert never lands
         atomic_fetch_add(&job->skipped, c->payload);
         atomic_fetch_add(&reader->posted.skipped_io, c->length);
         atomic_fetch_add(&reader->posted.skipped_bounce, reader->direct && !c->in_place ? c->payload : 0);
-    } else if (atomic_load(&pool->failed) || read_chunk(reader, c, bounce) != 0) {
+    } else if (outcome == CHUNK_FAILED) {
         failed = 1; // skipped or failed: the batch is incomplete
     } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
         if (job->tensor->remote && job->tensor->remote_cache && job->tensor->digest == NULL) {
@@ -156,6 +198,130 @@ static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) 
         pthread_cond_broadcast(&reader->cond_done);
         pthread_mutex_unlock(&reader->mutex);
     }
+}
+
+// read chunk i of the posted batch (threads: pread) and land it
+static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) {
+    const struct empanel_chunk * c = &reader->posted.chunks[i];
+    enum chunk_outcome outcome = chunk_before_read(reader, c);
+    if (outcome == CHUNK_READ && read_chunk(reader, c, bounce) != 0) {
+        outcome = CHUNK_FAILED;
+    }
+    land_chunk(reader, i, outcome);
+}
+
+// ------------------------------------------------------------------------------------------------
+// io_uring: the ring's reads
+
+// chunk i into a free read r of the ring (as read_chunk would read it); 0, or -1 if it is not to
+// be read (the failpoint)
+static int ring_prepare(struct empanel_reader * reader, int i, struct empanel_ring_read * r) {
+    struct empanel_pool        * pool = reader->pool;
+    const struct empanel_chunk * c    = &reader->posted.chunks[i];
+    const struct empanel_file  * f    = &pool->files[c->file];
+    if (read_fault(pool, c) != 0) {
+        return -1;
+    }
+    uint8_t * dst = reader->posted.jobs[c->job].dst + c->dst_offset;
+    r->chunk = i;
+    if (reader->direct && f->fd_direct >= 0) {
+        r->fd     = f->fd_direct;
+        r->buf    = c->in_place ? dst - c->skip : r->bounce;
+        r->length = c->length;
+        r->offset = c->offset;
+    } else {
+        r->fd     = f->fd;
+        r->buf    = dst;
+        r->length = c->payload;
+        r->offset = c->offset + c->skip;
+    }
+    r->first = pool->fault.short_reads ? short_read_bytes(r->length) : 0;
+    return 0;
+}
+
+// a read the ring reaped: checked as pread_chunk checks, the payload out of the bounce buffer
+static enum chunk_outcome ring_landed(struct empanel_reader * reader, const struct empanel_ring_read * r) {
+    struct empanel_pool        * pool = reader->pool;
+    const struct empanel_chunk * c    = &reader->posted.chunks[r->chunk];
+    const struct empanel_file  * f    = &pool->files[c->file];
+    const int      windowed = reader->direct && f->fd_direct >= 0;
+    const uint64_t need     = windowed ? c->skip + c->payload : c->payload;
+    if (r->err != 0) {
+        empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (io_uring)", f->path,
+                          (unsigned long long) (r->length - r->done), (unsigned long long) (r->offset + r->done),
+                          strerror(r->err));
+        return CHUNK_FAILED;
+    }
+    if (r->done < need) {
+        empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
+                          f->path, (unsigned long long) r->offset, (unsigned long long) r->done, (unsigned long long) need);
+        return CHUNK_FAILED;
+    }
+    if (windowed && !c->in_place) {
+        memcpy(reader->posted.jobs[c->job].dst + c->dst_offset, r->bounce + c->skip, c->payload);
+    }
+    return CHUNK_READ;
+}
+
+// take chunks of the posted batch into the ring until none is left, keeping up to depth in
+// flight, and land each as it completes
+static void work_batch_ring(struct empanel_reader * reader) {
+    const uint64_t cpu0 = empanel_thread_cpu_ns();
+    struct empanel_ring * ring = reader->ring;
+    struct empanel_ring_read * free_reads[EMPANEL_MAX_QUEUE_DEPTH];
+    int32_t n_free = 0;
+    for (int32_t k = reader->depth - 1; k >= 0; k--) {
+        free_reads[n_free++] = &reader->ring_ops[k];
+    }
+    int taking = 1;
+    for (;;) {
+        while (taking && n_free > 0 && empanel_ring_room(ring) > 0) {
+            const int i = atomic_fetch_add(&reader->posted.next, 1);
+            if (i >= reader->posted.n_chunks) {
+                taking = 0;
+                break;
+            }
+            enum chunk_outcome outcome = chunk_before_read(reader, &reader->posted.chunks[i]);
+            if (outcome == CHUNK_READ && ring_prepare(reader, i, free_reads[n_free - 1]) != 0) {
+                outcome = CHUNK_FAILED;
+            }
+            if (outcome != CHUNK_READ) {
+                land_chunk(reader, i, outcome);
+                continue;
+            }
+            empanel_ring_queue(ring, free_reads[--n_free]);
+        }
+        if (empanel_ring_in_flight(ring) == 0) {
+            break;
+        }
+        struct empanel_ring_read * r = empanel_ring_reap(ring);
+        if (r == NULL) {
+            break; // the ring broke with reads in flight (below)
+        }
+        land_chunk(reader, r->chunk, ring_landed(reader, r));
+        free_reads[n_free++] = r;
+    }
+    if (empanel_ring_in_flight(ring) > 0) {
+        // the kernel stopped answering: what is in flight may still land, so its slots must stay
+        // marked as holding nothing (failed), and the ring is not used again
+        empanel_set_error(reader->pool, "empanel: io_uring stopped answering (%s) with %d reads in flight; "
+                          "set EMPANEL_READ_IO=threads and reload", strerror(empanel_ring_broken(ring)),
+                          empanel_ring_in_flight(ring));
+        for (int32_t k = 0; k < reader->depth; k++) {
+            int is_free = 0;
+            for (int32_t m = 0; m < n_free; m++) {
+                is_free |= free_reads[m] == &reader->ring_ops[k];
+            }
+            if (!is_free) {
+                land_chunk(reader, reader->ring_ops[k].chunk, CHUNK_FAILED);
+            }
+        }
+        for (int i = atomic_fetch_add(&reader->posted.next, 1); i < reader->posted.n_chunks;
+             i = atomic_fetch_add(&reader->posted.next, 1)) {
+            land_chunk(reader, i, CHUNK_FAILED);
+        }
+    }
+    atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
 }
 
 // take chunks of the posted batch until none is left
@@ -196,7 +362,11 @@ static void * reader_thread(void * arg_) {
         atomic_fetch_add(&reader->posted.busy, 1);
         pthread_mutex_unlock(&reader->mutex);
 
-        work_batch(reader, bounce);
+        if (reader->ring != NULL) {
+            work_batch_ring(reader);
+        } else {
+            work_batch(reader, bounce);
+        }
 
         pthread_mutex_lock(&reader->mutex);
         if (atomic_fetch_sub(&reader->posted.busy, 1) == 1) {
@@ -210,7 +380,46 @@ static void * reader_thread(void * arg_) {
 // ------------------------------------------------------------------------------------------------
 // threads
 
-int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, char * err, size_t err_size) {
+// the read path asked for: EMPANEL_READ_IO in the environment ("threads", "uring"), else the
+// params' (auto: this build's default, docs/performance.md "Reads at depth")
+static int32_t read_io_asked(int32_t read_io) {
+    const char * env = getenv("EMPANEL_READ_IO");
+    if (env != NULL && strcmp(env, "threads") == 0) {
+        return EMPANEL_READ_IO_THREADS;
+    }
+    if (env != NULL && strcmp(env, "uring") == 0) {
+        return EMPANEL_READ_IO_URING;
+    }
+    return read_io == EMPANEL_READ_IO_AUTO ? EMPANEL_READ_IO_DEFAULT : read_io;
+}
+
+// io_uring: the ring and its reads' bounce buffers; 0, or -1 where there is no io_uring (the
+// notice says why, and the threads read)
+static int ring_start(struct empanel_reader * reader, int32_t depth) {
+    char why[160];
+    const char * fault = getenv("EMPANEL_FAULT_URING"); // tests: the kernel refuses io_uring
+    if (fault != NULL && atoi(fault) != 0) {
+        snprintf(why, sizeof(why), "refused: EMPANEL_FAULT_URING");
+    }
+    if ((fault != NULL && atoi(fault) != 0) || empanel_ring_init(&reader->ring, depth, why, sizeof(why)) != 0) {
+        struct empanel_pool * pool = reader->pool;
+        if (pool->notice[0] == '\0') {
+            snprintf(pool->notice, sizeof(pool->notice), "io_uring is not available (%s): reading with threads", why);
+        }
+        return -1;
+    }
+    reader->ring_ops = calloc((size_t) depth, sizeof(*reader->ring_ops));
+    if (reader->ring_ops == NULL) {
+        empanel_ring_free(reader->ring);
+        reader->ring = NULL;
+        return -1;
+    }
+    reader->depth = depth;
+    return 0;
+}
+
+int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, int32_t read_io,
+                         int32_t depth, char * err, size_t err_size) {
     struct empanel_reader * reader = &pool->reader;
     if (n_threads < 0 || n_threads > EMPANEL_MAX_READ_THREADS) {
         empanel_format_err(err, err_size, "empanel: %d reader threads (0 to %d)", n_threads, EMPANEL_MAX_READ_THREADS);
@@ -221,7 +430,17 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
                            (unsigned long long) chunk_bytes, EMPANEL_MAX_CHUNK_BYTES);
         return -1;
     }
+    if (read_io < EMPANEL_READ_IO_AUTO || read_io > EMPANEL_READ_IO_URING || depth < 0 || depth > EMPANEL_MAX_QUEUE_DEPTH) {
+        empanel_format_err(err, err_size, "empanel: read path %d at queue depth %d (0 to %d)", read_io, depth,
+                           EMPANEL_MAX_QUEUE_DEPTH);
+        return -1;
+    }
     reader->pool        = pool;
+    reader->io          = EMPANEL_READ_IO_THREADS;
+    if (read_io_asked(read_io) == EMPANEL_READ_IO_URING && ring_start(reader, depth > 0 ? depth : 32) == 0) {
+        reader->io = EMPANEL_READ_IO_URING;
+        n_threads  = 1; // the ring's
+    }
     reader->n_threads   = 0;
     reader->chunk_bytes = empanel_align_up(chunk_bytes > 0 ? chunk_bytes : EMPANEL_ALIGN);
     reader->direct      = 0;
@@ -237,12 +456,13 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
     // one bounce buffer per thread and the caller's; a chunk's aligned window can straddle one
     // extra block at each end. What a failure leaves is freed by empanel_reader_stop (every
     // buffer, started threads joined)
-    reader->bounce = calloc((size_t) n_threads + 1, sizeof(uint8_t *));
+    const int32_t n_bounce = (reader->ring != NULL ? reader->depth : n_threads) + 1;
+    reader->bounce = calloc((size_t) n_bounce, sizeof(uint8_t *));
     if (reader->bounce == NULL) {
         empanel_format_err(err, err_size, "empanel: out of memory");
         return -1;
     }
-    reader->n_bounce = n_threads + 1;
+    reader->n_bounce = n_bounce;
     for (int32_t i = 0; i < reader->n_bounce; i++) {
         if (posix_memalign((void **) &reader->bounce[i], EMPANEL_ALIGN, reader->chunk_bytes + 2*EMPANEL_ALIGN) != 0) {
             reader->bounce[i] = NULL;
@@ -250,6 +470,9 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
                                reader->n_bounce, (unsigned long long) (reader->chunk_bytes + 2*EMPANEL_ALIGN));
             return -1;
         }
+    }
+    for (int32_t k = 0; reader->ring != NULL && k < reader->depth; k++) {
+        reader->ring_ops[k].bounce = reader->bounce[k];
     }
     reader->threads = calloc(n_threads > 0 ? (size_t) n_threads : 1, sizeof(pthread_t));
     if (reader->threads == NULL) {
@@ -295,6 +518,10 @@ void empanel_reader_stop(struct empanel_pool * pool) {
     }
     free(reader->bounce);
     free(reader->threads);
+    empanel_ring_free(reader->ring); // (after the join: no thread is in it)
+    free(reader->ring_ops);
+    reader->ring     = NULL;
+    reader->ring_ops = NULL;
     reader->bounce   = NULL;
     reader->threads  = NULL;
     reader->n_bounce = 0;
@@ -336,10 +563,13 @@ void empanel_reader_post(struct empanel_pool * pool, struct empanel_read_job * j
     pthread_mutex_unlock(&reader->mutex);
 }
 
-// read the posted batch's chunks alongside the threads and return when every chunk is done
+// read the posted batch's chunks alongside the threads (io_uring: wait for the ring's thread) and
+// return when every chunk is done
 void empanel_reader_finish(struct empanel_pool * pool) {
     struct empanel_reader * reader = &pool->reader;
-    work_batch(reader, reader->bounce[reader->n_bounce - 1]);
+    if (reader->ring == NULL) { // (io_uring: the ring's thread reads it all)
+        work_batch(reader, reader->bounce[reader->n_bounce - 1]);
+    }
 
     // every chunk done, and no thread still inside work_batch (it reads the batch's fields)
     pthread_mutex_lock(&reader->mutex);
@@ -357,7 +587,7 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     const int      limit = reader->posted.tensor_chunk_end[ti];
     const uint64_t cpu0  = empanel_thread_cpu_ns();
     int i = atomic_load(&reader->posted.next);
-    while (i < limit) {
+    while (reader->ring == NULL && i < limit) { // (io_uring: the ring's thread reads it all)
         if (atomic_compare_exchange_weak(&reader->posted.next, &i, i + 1)) {
             work_chunk(reader, i, reader->bounce[reader->n_bounce - 1]);
             i = atomic_load(&reader->posted.next);

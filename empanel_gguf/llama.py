@@ -50,6 +50,11 @@ class Llama(llama_cpp.Llama):
             thread reads alone, in the remap).
         moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
             all reader threads at once.
+        moe_read_io: how reads are issued: "threads" (moe_io_threads threads, pread each),
+            "uring" (one thread keeps moe_queue_depth reads in flight with io_uring; where the
+            build or the kernel has none, the threads, with a notice) or "auto" (default: the
+            path measured best, docs/performance.md). EMPANEL_READ_IO=threads|uring overrides it.
+        moe_queue_depth: io_uring: read requests in flight at most (default 32).
         moe_direct_io: read experts with O_DIRECT, bypassing the page cache (default True; falls
             back to buffered reads with a notice where the file system refuses it).
         moe_trace: record every token's routed experts in every MoE layer (moe_take_trace()),
@@ -109,7 +114,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
-                 moe_chunk_kb=256, moe_direct_io=True, moe_trace=False, moe_preload=None,
+                 moe_chunk_kb=256, moe_read_io="auto", moe_queue_depth=32, moe_direct_io=True, moe_trace=False, moe_preload=None,
                  moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
                  moe_verify=False, moe_repack="auto", moe_host_cache=None, moe_host_cache_unified=False,
                  moe_mtp=False, rpc_servers=None, moe_load=None, **kwargs):
@@ -121,6 +126,7 @@ class Llama(llama_cpp.Llama):
         verbose = kwargs.get("verbose", True)
         if moe_load is None and (moe_slots is not None or moe_trace):
             options = moe_options(moe_policy=moe_policy, moe_io_threads=moe_io_threads, moe_chunk_kb=moe_chunk_kb,
+                                  moe_read_io=moe_read_io, moe_queue_depth=moe_queue_depth,
                                   moe_direct_io=moe_direct_io, moe_trace=moe_trace, moe_preload=moe_preload,
                                   moe_resident_layers=moe_resident_layers, moe_profile=moe_profile,
                                   moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
@@ -242,8 +248,8 @@ class Llama(llama_cpp.Llama):
 
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
-        "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit; None
-        without slot pools. With rpc_servers the total also has wire_sent, wire_received (bytes
+        "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit, and
+        "read_io": the read path taken ("threads" or "uring"); None without slot pools. With rpc_servers the total also has wire_sent, wire_received (bytes
         this process exchanged with the RPC servers so far) and round_trips (commands it waited
         for an answer to)."""
         if self._experts is None:
@@ -251,6 +257,7 @@ class Llama(llama_cpp.Llama):
         stats = self._experts.stats()
         options = self.moe_load.options if self.moe_load is not None else None
         stats["exact_to"] = stock_equivalent(self.moe_repack, options.subst if options is not None else None)
+        stats["read_io"] = self._experts.read_io()
         if self.rpc_servers:
             total = stats["total"]
             total["wire_sent"], total["wire_received"], total["round_trips"] = rpc_wire_counts()

@@ -6,11 +6,17 @@ they are missing; one variable per part makes that a failure (CI sets them):
     require_programs(*names)   llama.cpp's programs (EMPANEL_PROGRAMS=ON)    EMPANEL_REQUIRE_PROGRAMS=1
     require_archs_writer()     the test-llama-archs model writer (the same)  EMPANEL_REQUIRE_ARCHS=1
     require_vulkan()           a Vulkan build's lib folder (.ci/run's)       none: CI may lack the packages
+    require_uring()            io_uring in this build and kernel             EMPANEL_REQUIRE_URING=1
+
+The `read_io` fixture runs a test on both read paths (the reader threads, then io_uring), set
+by EMPANEL_READ_IO in this process and in children made with child_env.
 """
 
 import os
 import tempfile
 from pathlib import Path
+
+import pytest
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -61,6 +67,30 @@ def require_vulkan():
     return lib_dir
 
 
+def require_uring():
+    """This build and kernel read with io_uring, or the test is skipped (failed with
+    EMPANEL_REQUIRE_URING=1)."""
+    from empanel_gguf.engine.native import uring_available
+
+    ok, why = uring_available()
+    if not ok:
+        _missing_part(f"no io_uring here: {why}", "EMPANEL_REQUIRE_URING")
+
+
+_READ_IO = {"path": None}  # the read path the read_io fixture set, for child_env
+
+
+@pytest.fixture(params=["threads", "uring"])
+def read_io(request, monkeypatch):
+    """The read path of the test (EMPANEL_READ_IO): "threads", then "uring"."""
+    if request.param == "uring":
+        require_uring()
+    monkeypatch.setenv("EMPANEL_READ_IO", request.param)
+    _READ_IO["path"] = request.param
+    yield request.param
+    _READ_IO["path"] = None
+
+
 def child_env(drop=(), **extra):
     """The environment for a child process of a test: this checkout on PYTHONPATH, none of the
     user's LLAMA_ARG_* / EMPANEL_* settings (the session's profile cache kept), minus `drop`."""
@@ -68,6 +98,8 @@ def child_env(drop=(), **extra):
            if not k.startswith(("LLAMA_ARG_", "EMPANEL_")) and k != "LLAMA_CPP_LIB_PATH" and k not in drop}
     env["EMPANEL_PROFILE_DIR"] = _PROFILES
     env["PYTHONPATH"] = str(_REPO)
+    if _READ_IO["path"] is not None:
+        env["EMPANEL_READ_IO"] = _READ_IO["path"]
     env.update(extra)
     return env
 

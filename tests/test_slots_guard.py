@@ -404,6 +404,7 @@ def file_check(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_truncated_while_loaded_raises_and_survives(f32_reference, tmp_path, file_check):
     src, ref, _ = f32_reference
     path, llm, logits = _load_copy_and_eval(src, tmp_path)
@@ -432,6 +433,7 @@ def _overwrite_experts(path, mtime_ns):
     assert path.stat().st_size == size and path.stat().st_mtime_ns == mtime_ns
 
 
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_modified_in_place_with_mtime_restored_raises(f32_reference, tmp_path, file_check):
     src, ref, _ = f32_reference
     path, llm, logits = _load_copy_and_eval(src, tmp_path)
@@ -635,6 +637,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 0.95])
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_read_failure_inside_waves_raises_and_rolls_back(fixture_dir, share):
     """EMPANEL_FAULT_READ_AFTER makes the reader's N-th request fail with EIO (the first wave's
     demand read, or one read ahead while an earlier wave computes, later in the prompt): the
@@ -650,6 +653,7 @@ def test_read_failure_inside_waves_raises_and_rolls_back(fixture_dir, share):
 
 
 @pytest.mark.parametrize("name, repack", [("qwen3moe-q4_k", False), ("qwen3moe-q4_k", True), ("qwen3moe-f32", True)])
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_failed_read_into_slots_leaves_them_empty(fixture_dir, monkeypatch, name, repack):
     """Reads that land in place (a plain pool's slots, repacking's staging) and fail: the eval
     raises MoeReadError and takes in no token, and no slot is left marked as holding an expert
@@ -685,6 +689,7 @@ def test_failed_read_into_slots_leaves_them_empty(fixture_dir, monkeypatch, name
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-q4_k", "qwen3moe-f32"])
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_failed_overlapped_read_in_decode(fixture_dir, monkeypatch, name):
     """A decode read that fails while the layer's reads overlap its compute (the remap returned,
     a MUL_MAT_ID waits for its tensor): the first read of a token (its first tensor) or its last
@@ -836,6 +841,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_preload_failure_raises_and_frees_the_load(fixture_dir):
     """A read that fails while preloading (the 3rd request, EIO from the failpoint) makes the
     constructor raise MoeReadError with the reason; nothing of that load stays behind, and the
@@ -869,6 +875,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_read_failure_while_reading_ahead_raises(fixture_dir):
     """A read that fails in a read-ahead batch (moe_prefetch=1) surfaces at the guessed layer's
     remap: the decode raises MoeReadError and takes no token in."""

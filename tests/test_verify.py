@@ -45,6 +45,7 @@ def _corrupt_expert(path, layer=0, kind="down", expert=1):
     return t.name
 
 
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_verified_reads_leave_the_outputs_unchanged(model, capfd):
     path, ref = model
     assert verify.main([str(path), "--force"]) == 0
@@ -76,6 +77,7 @@ def test_first_read_digests_without_a_verify_pass(model, tmp_path, monkeypatch, 
     assert "first read gives its digest" in capfd.readouterr().err
 
 
+@pytest.mark.usefixtures("read_io")  # on both read paths
 def test_experts_changed_before_the_load_fail_the_decode(model, tmp_path):
     path, ref = model
     copy = tmp_path / path.name

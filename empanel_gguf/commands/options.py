@@ -152,6 +152,11 @@ def add_moe_args(parser, moe_slots_default="auto"):
             help="expert reader threads besides the decoding thread (0: it reads alone)")
     env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,
             help="KiB per expert read request")
+    env_arg(parser, "--moe-read-io", env="LLAMA_ARG_MOE_READ_IO", default="auto", choices=("auto", "threads", "uring"),
+            help="how reads are issued: threads (--moe-io-threads preads), uring (one thread, io_uring at "
+                 "--moe-queue-depth; the threads where there is none) or auto (the path measured best)")
+    env_arg(parser, "--moe-queue-depth", env="LLAMA_ARG_MOE_QUEUE_DEPTH", type=int, default=32,
+            help="io_uring: read requests in flight at most")
     env_arg(parser, "--moe-direct-io", env="LLAMA_ARG_MOE_DIRECT_IO", type=parse_bool, default=True,
             metavar="on|off", help="read experts with O_DIRECT")
     env_arg(parser, "--moe-preload", env="LLAMA_ARG_MOE_PRELOAD", type=auto_bool, default=None,
@@ -213,7 +218,8 @@ def moe_options_from_args(args, trace=False):
     from ..planning.plan import moe_options
 
     return moe_options(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
-                       moe_chunk_kb=args.moe_chunk_kb, moe_direct_io=args.moe_direct_io, moe_trace=trace,
+                       moe_chunk_kb=args.moe_chunk_kb, moe_read_io=args.moe_read_io,
+                       moe_queue_depth=args.moe_queue_depth, moe_direct_io=args.moe_direct_io, moe_trace=trace,
                        moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
                        moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
                        moe_verify=args.moe_verify, moe_profile=args.moe_profile, moe_repack=args.moe_repack,

@@ -166,6 +166,9 @@ def format_report(name, index, plan, stats, timings, rss):
         if "exact_to" in stats:
             lines.append(f"  exact     bit-identical to {stats['exact_to']}" if stats["exact_to"].startswith("llama.cpp")
                          else f"  exact     {stats['exact_to']}")
+        if "read_io" in stats:
+            lines.append("  reads     io_uring, one thread" if stats["read_io"] == "uring"
+                         else "  reads     reader threads (pread)")
         if "wire_sent" in t:
             lines.append(f"  rpc       {format_bytes(t['wire_sent'])} sent, {format_bytes(t['wire_received'])} "
                          f"received, {t['round_trips']} round trips; {format_bytes(t['copy_bytes'])} of experts "

@@ -189,3 +189,12 @@ def hash64(data):
     which means unknown)."""
     n = native()
     return int(n.sidecar.empanel_hash64(n.ffi.from_buffer(data), len(data)))
+
+
+def uring_available():
+    """(True, "") if this build and kernel read with io_uring (moe_read_io="uring"), else (False,
+    why)."""
+    n = native()
+    why = n.ffi.new("char[]", 256)
+    ok = bool(n.sidecar.empanel_uring_available(why, 256))
+    return ok, n.ffi.string(why).decode(errors="replace")

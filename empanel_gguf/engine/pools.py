@@ -63,6 +63,10 @@ class ExpertPools:
         """True: the files are watched for writes (inotify); False: size, mtime and ctime checks."""
         return bool(self.n.sidecar.empanel_pool_watching(self.pool))
 
+    def read_io(self):
+        """The read path the pool took: "threads" or "uring"."""
+        return "uring" if self.n.sidecar.empanel_pool_read_io(self.pool) == 2 else "threads"
+
     def notice(self):
         return self.n.ffi.string(self.n.sidecar.empanel_pool_notice(self.pool)).decode(errors="replace")
 

@@ -42,6 +42,8 @@ class MoeOptions:
     policy: str = DEFAULT_POLICY
     io_threads: int = 8
     chunk_kb: int = 256
+    read_io: str = "auto"          # "auto", "threads" (io_threads preads) or "uring" (one thread, io_uring)
+    queue_depth: int = 32          # io_uring: read requests in flight at most
     direct_io: bool = True
     trace: bool = False
     preload: object = None         # None: auto (pools that hold every expert, or a profile); True; False
@@ -137,8 +139,23 @@ class PoolSetup:
     host_cache: int = 0     # bytes of the host-RAM tier of device pools (moe_host_cache), 0: none
 
 
+# moe_read_io -> enum empanel_read_io (csrc/empanel.h)
+READ_IO = {"auto": 0, "threads": 1, "uring": 2}
+MAX_QUEUE_DEPTH = 256  # EMPANEL_MAX_QUEUE_DEPTH (csrc/empanel-impl.h)
+
+
+def read_io_id(read_io, queue_depth) -> int:
+    """moe_read_io, moe_queue_depth checked -> the enum's value; ValueError naming the choices."""
+    if read_io not in READ_IO:
+        raise ValueError(f"moe_read_io={read_io!r}: 'auto', 'threads' (moe_io_threads threads, pread each) or "
+                         "'uring' (one thread, io_uring at moe_queue_depth)")
+    if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+        raise ValueError(f"moe_queue_depth={queue_depth!r}: read requests in flight, 1 to {MAX_QUEUE_DEPTH}")
+    return READ_IO[read_io]
+
+
 def pool_setup(index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True, trace=False,
-               guess=True, prefetch=0, subst=None, verify=False) -> PoolSetup:
+               guess=True, prefetch=0, subst=None, verify=False, read_io="auto", queue_depth=32) -> PoolSetup:
     """The pools of a load with `plan` (sizing.SlotPlan, None: no slots); ValueError for bad
     moe_* arguments."""
     n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
@@ -160,6 +177,8 @@ def pool_setup(index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, d
         "prefetch": prefetch,
         "subst_ratio": float(subst or 0.0),
         "verify": 1 if verify else 0,
+        "read_io": read_io_id(read_io, queue_depth),
+        "queue_depth": queue_depth,
     }
     return PoolSetup(
         n_slots=n_slots,
@@ -316,7 +335,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
 
     load.pools = pool_setup(index, plan, options.policy, options.io_threads, options.chunk_kb, options.direct_io,
                             options.trace, options.guess, options.prefetch, options.subst,
-                            options.verify and plan is not None)
+                            options.verify and plan is not None, options.read_io, options.queue_depth)
     load.pools.host_cache = est.host_cache
     if plan is None:
         return load  # the routing is traced, every expert resident

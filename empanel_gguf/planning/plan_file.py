@@ -52,6 +52,7 @@ def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests
         lines.append("pin 1")
     if setup.host_cache:
         lines.append(f"host-cache {setup.host_cache}")
+    lines.append(f"io {p['read_io']} {p['queue_depth']}")
     lines.append("slots " + " ".join(str(n) for n in setup.n_slots))
     for t in setup.paged:
         lines.append(f"tensor {t.layer} {t.shard} {t.offset} {t.stride} {t.name}")
