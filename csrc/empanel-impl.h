@@ -19,7 +19,7 @@
 #define EMPANEL_MAX_READ_THREADS 256      // reader threads of a pool at most (params.n_threads)
 #define EMPANEL_MAX_CHUNK_BYTES  (1u << 30) // bytes of one read request at most (params.chunk_bytes)
 #define EMPANEL_MAX_QUEUE_DEPTH  256      // io_uring: reads in flight at most (params.queue_depth)
-#define EMPANEL_READ_IO_DEFAULT  EMPANEL_READ_IO_THREADS // read_io auto (docs/performance.md, "Reads at depth")
+#define EMPANEL_READ_IO_DEFAULT  EMPANEL_READ_IO_URING // read_io auto: io_uring where there is one (docs/performance.md, "Reads at depth")
 
 // one routed-expert tensor of a layer: its experts in the file and its pool in memory
 struct empanel_tensor {
@@ -228,6 +228,7 @@ struct empanel_ring_read {
     uint64_t  first;    // bytes the first request asks for, 0: all (the short-read failpoint)
     uint64_t  done;     // bytes read (ring.c)
     int       err;      // errno of the failed read, 0: none (ring.c)
+    int       retries;  // completions that asked to be tried again (EAGAIN, EINTR) (ring.c)
     int32_t   chunk;    // the caller's: the chunk it reads
     uint8_t * bounce;   // the caller's: its bounce buffer (O_DIRECT windows not read in place)
 };
@@ -241,8 +242,10 @@ int32_t empanel_ring_room(const struct empanel_ring * ring);      // reads that 
 int32_t empanel_ring_in_flight(const struct empanel_ring * ring); // queued or submitted, not reaped
 void empanel_ring_queue(struct empanel_ring * ring, struct empanel_ring_read * r); // submitted by reap
 // submit what is queued and wait for one read to finish: whole (done == length), ended by the
-// end of the file (done < length) or failed (err); NULL: nothing in flight, or the ring broke
-// (empanel_ring_broken: its errno; its reads in flight are given up)
+// end of the file (done < length) or failed (err: also every read of a ring that broke before
+// submitting it); NULL: nothing in flight, or the kernel stopped answering with reads in flight
+// (they may still land: their buffers must never be reused or freed)
+// empanel_ring_broken: the errno that broke the ring, 0 if none; a broken ring takes no more reads
 struct empanel_ring_read * empanel_ring_reap(struct empanel_ring * ring);
 int  empanel_ring_broken(const struct empanel_ring * ring);
 
@@ -254,6 +257,8 @@ struct empanel_reader {
     int32_t         depth;        // io_uring: chunks in flight at most
     struct empanel_ring      * ring;     // io_uring: the ring of reader thread 0, else NULL
     struct empanel_ring_read * ring_ops; // [depth] its reads, each with a bounce buffer
+    atomic_int      ring_state;   // written by the ring thread: RING_OK; RING_OFF: it broke with nothing in flight,
+                                  // the thread preads; RING_LOST: the kernel kept reads (reader.c)
     pthread_t     * threads;      // [n_threads]
     int32_t         n_threads;
     uint8_t      ** bounce;       // [n_bounce] aligned chunk buffers (O_DIRECT), one per thread; last: caller's;
@@ -528,6 +533,9 @@ int      empanel_file_is     (struct empanel_pool * pool, int32_t i, uint64_t de
 int      empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, int32_t read_io,
                               int32_t depth, char * err, size_t err_size);
 void     empanel_reader_stop (struct empanel_pool * pool);
+// io_uring stopped answering with reads in flight: buffers they may land in must never be freed
+int      empanel_reader_lost (const struct empanel_pool * pool);
+int32_t  empanel_reader_io   (const struct empanel_pool * pool); // EMPANEL_READ_IO_THREADS or _URING, now
 // reader.c, for batch.c: post a batch's chunks to the threads; take chunks alongside them until
 // every chunk is done; wait until tensor ti's experts have landed (batches waited for tensor by
 // tensor; 0, or -1 if a read of the batch failed); staging -> slot (repack, or a copy to the

@@ -56,7 +56,8 @@ enum empanel_read_io {
     EMPANEL_READ_IO_AUTO    = 0, // the default of this build and machine (docs/performance.md)
     EMPANEL_READ_IO_THREADS = 1, // n_threads reader threads and the caller, pread each
     EMPANEL_READ_IO_URING   = 2, // one reader thread, io_uring at queue_depth; where the build or the
-                                 // kernel has none: the threads, with a notice
+                                 // kernel has none: the threads, with a notice; n_threads 0: the
+                                 // caller alone, pread
 };
 
 // The eviction policies (struct empanel_pool_params.policy), declared once: the enum below,
@@ -213,7 +214,8 @@ EMPANEL_API int32_t empanel_subst(
         int64_t         scores_row_stride,
         int32_t         n_tokens);
 
-// the read path the pool took (EMPANEL_READ_IO_THREADS or _URING)
+// the read path the pool takes now (EMPANEL_READ_IO_THREADS or _URING; the threads once a
+// ring the kernel broke fell back to them)
 EMPANEL_API int32_t empanel_pool_read_io(struct empanel_pool * pool);
 // 1 if this build and kernel read with io_uring; 0 with the reason in why
 EMPANEL_API int32_t empanel_uring_available(char * why, size_t why_size);

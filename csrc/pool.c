@@ -30,7 +30,7 @@ _Bool empanel_pool_failed(void * user) {
 }
 
 int32_t empanel_pool_read_io(struct empanel_pool * pool) {
-    return pool->reader.io;
+    return empanel_reader_io(pool);
 }
 
 int32_t empanel_uring_available(char * why, size_t why_size) {
@@ -332,7 +332,9 @@ void empanel_pool_free(struct empanel_pool * pool) {
     empanel_files_close(pool);
     free(pool->batch.jobs);
     free(pool->batch.chunks);
-    empanel_batch_staging_free(pool);
+    if (!empanel_reader_lost(pool)) { // (else the kernel may still read into it: kept)
+        empanel_batch_staging_free(pool);
+    }
     empanel_host_cache_free(pool);
     free(pool->trace.records);
     free(pool->glru.prev);

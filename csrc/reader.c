@@ -246,7 +246,7 @@ static enum chunk_outcome ring_landed(struct empanel_reader * reader, const stru
     const struct empanel_file  * f    = &pool->files[c->file];
     const int      windowed = reader->direct && f->fd_direct >= 0;
     const uint64_t need     = windowed ? c->skip + c->payload : c->payload;
-    if (r->err != 0) {
+    if (r->err != 0) { // (a ring that broke: its later batches are read with pread)
         empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (io_uring)", f->path,
                           (unsigned long long) (r->length - r->done), (unsigned long long) (r->offset + r->done),
                           strerror(r->err));
@@ -263,11 +263,58 @@ static enum chunk_outcome ring_landed(struct empanel_reader * reader, const stru
     return CHUNK_READ;
 }
 
+enum ring_state {
+    RING_OK   = 0,
+    RING_OFF  = 1, // the kernel refused a submission with nothing in flight: this thread preads
+    RING_LOST = 2, // it stopped answering with reads in flight, which may still land: no read is
+                   // safe any more, and the ring and its buffers are never freed (reader_stop)
+};
+
+static void work_batch(struct empanel_reader * reader, uint8_t * bounce);
+
+// every chunk of the posted batch not taken yet fails
+static void fail_rest(struct empanel_reader * reader) {
+    for (int i = atomic_fetch_add(&reader->posted.next, 1); i < reader->posted.n_chunks;
+         i = atomic_fetch_add(&reader->posted.next, 1)) {
+        land_chunk(reader, i, CHUNK_FAILED);
+    }
+}
+
+// the kernel stopped answering with reads in flight: they and the chunks not taken fail
+static void ring_lost(struct empanel_reader * reader, struct empanel_ring_read ** free_reads, int32_t n_free) {
+    struct empanel_ring * ring = reader->ring;
+    atomic_store(&reader->ring_state, RING_LOST);
+    empanel_set_error(reader->pool, "empanel: io_uring stopped answering (%s) with %d reads in flight; no "
+                      "read is safe in this process any more: reload the model with EMPANEL_READ_IO=threads",
+                      strerror(empanel_ring_broken(ring)), empanel_ring_in_flight(ring));
+    for (int32_t k = 0; k < reader->depth; k++) {
+        int is_free = 0;
+        for (int32_t m = 0; m < n_free; m++) {
+            is_free |= free_reads[m] == &reader->ring_ops[k];
+        }
+        if (!is_free) {
+            land_chunk(reader, reader->ring_ops[k].chunk, CHUNK_FAILED);
+        }
+    }
+    fail_rest(reader);
+}
+
 // take chunks of the posted batch into the ring until none is left, keeping up to depth in
 // flight, and land each as it completes
 static void work_batch_ring(struct empanel_reader * reader) {
-    const uint64_t cpu0 = empanel_thread_cpu_ns();
     struct empanel_ring * ring = reader->ring;
+    if (atomic_load(&reader->ring_state) == RING_OFF) {
+        work_batch(reader, reader->bounce[0]);
+        return;
+    }
+    const uint64_t cpu0 = empanel_thread_cpu_ns();
+    if (atomic_load(&reader->ring_state) == RING_LOST) {
+        empanel_set_error(reader->pool, "empanel: io_uring lost reads earlier in this process (see the first "
+                          "error); reload the model with EMPANEL_READ_IO=threads");
+        fail_rest(reader);
+        atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
+        return;
+    }
     struct empanel_ring_read * free_reads[EMPANEL_MAX_QUEUE_DEPTH];
     int32_t n_free = 0;
     for (int32_t k = reader->depth - 1; k >= 0; k--) {
@@ -296,30 +343,14 @@ static void work_batch_ring(struct empanel_reader * reader) {
         }
         struct empanel_ring_read * r = empanel_ring_reap(ring);
         if (r == NULL) {
-            break; // the ring broke with reads in flight (below)
+            ring_lost(reader, free_reads, n_free);
+            break;
         }
         land_chunk(reader, r->chunk, ring_landed(reader, r));
         free_reads[n_free++] = r;
     }
-    if (empanel_ring_in_flight(ring) > 0) {
-        // the kernel stopped answering: what is in flight may still land, so its slots must stay
-        // marked as holding nothing (failed), and the ring is not used again
-        empanel_set_error(reader->pool, "empanel: io_uring stopped answering (%s) with %d reads in flight; "
-                          "set EMPANEL_READ_IO=threads and reload", strerror(empanel_ring_broken(ring)),
-                          empanel_ring_in_flight(ring));
-        for (int32_t k = 0; k < reader->depth; k++) {
-            int is_free = 0;
-            for (int32_t m = 0; m < n_free; m++) {
-                is_free |= free_reads[m] == &reader->ring_ops[k];
-            }
-            if (!is_free) {
-                land_chunk(reader, reader->ring_ops[k].chunk, CHUNK_FAILED);
-            }
-        }
-        for (int i = atomic_fetch_add(&reader->posted.next, 1); i < reader->posted.n_chunks;
-             i = atomic_fetch_add(&reader->posted.next, 1)) {
-            land_chunk(reader, i, CHUNK_FAILED);
-        }
+    if (atomic_load(&reader->ring_state) == RING_OK && empanel_ring_broken(ring)) {
+        atomic_store(&reader->ring_state, RING_OFF); // (its reads failed this batch; the next ones are preads)
     }
     atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
 }
@@ -412,6 +443,11 @@ static int ring_start(struct empanel_reader * reader, int32_t depth) {
     if (reader->ring_ops == NULL) {
         empanel_ring_free(reader->ring);
         reader->ring = NULL;
+        struct empanel_pool * pool = reader->pool;
+        if (pool->notice[0] == '\0') {
+            snprintf(pool->notice, sizeof(pool->notice), "io_uring: out of memory for %d reads: reading with threads",
+                     depth);
+        }
         return -1;
     }
     reader->depth = depth;
@@ -437,7 +473,9 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
     }
     reader->pool        = pool;
     reader->io          = EMPANEL_READ_IO_THREADS;
-    if (read_io_asked(read_io) == EMPANEL_READ_IO_URING && ring_start(reader, depth > 0 ? depth : 32) == 0) {
+    atomic_store(&reader->ring_state, RING_OK);
+    // (no reader thread asked for: the caller reads alone, with pread)
+    if (n_threads > 0 && read_io_asked(read_io) == EMPANEL_READ_IO_URING && ring_start(reader, depth > 0 ? depth : 32) == 0) {
         reader->io = EMPANEL_READ_IO_URING;
         n_threads  = 1; // the ring's
     }
@@ -513,13 +551,15 @@ void empanel_reader_stop(struct empanel_pool * pool) {
     for (int32_t i = 0; i < reader->n_threads; i++) {
         pthread_join(reader->threads[i], NULL);
     }
-    for (int32_t i = 0; reader->bounce != NULL && i < reader->n_bounce; i++) {
-        free(reader->bounce[i]);
+    if (atomic_load(&reader->ring_state) != RING_LOST) { // (lost: the kernel may still write into them, kept)
+        empanel_ring_free(reader->ring); // (after the join: no thread is in it, nothing in flight)
+        free(reader->ring_ops);
+        for (int32_t i = 0; reader->bounce != NULL && i < reader->n_bounce; i++) {
+            free(reader->bounce[i]);
+        }
+        free(reader->bounce);
     }
-    free(reader->bounce);
     free(reader->threads);
-    empanel_ring_free(reader->ring); // (after the join: no thread is in it)
-    free(reader->ring_ops);
     reader->ring     = NULL;
     reader->ring_ops = NULL;
     reader->bounce   = NULL;
@@ -601,4 +641,14 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     }
     pthread_mutex_unlock(&reader->mutex);
     return atomic_load(&reader->posted.batch_failed) ? -1 : 0;
+}
+
+int empanel_reader_lost(const struct empanel_pool * pool) {
+    return atomic_load(&pool->reader.ring_state) == RING_LOST;
+}
+
+// the path reads take now: io_uring, or the threads (asked for, or the ring broke)
+int32_t empanel_reader_io(const struct empanel_pool * pool) {
+    return pool->reader.io == EMPANEL_READ_IO_URING && atomic_load(&pool->reader.ring_state) == RING_OK
+           ? EMPANEL_READ_IO_URING : EMPANEL_READ_IO_THREADS;
 }

@@ -26,48 +26,86 @@ struct empanel_ring {
     int             broken;     // errno of a submission or wait the kernel refused, 0: none
     int32_t         n_queued;   // prepared, not yet submitted: queued[0, n_queued)
     struct empanel_ring_read ** queued; // [depth]
+    int32_t         n_failed;   // never submitted (the ring broke): failed[0, n_failed), reaped first
+    struct empanel_ring_read ** failed; // [depth]
+    // failpoints for tests: the n-th submission is refused with EPERM (as a seccomp profile
+    // refuses io_uring_enter), the n-th wait fails with EFAULT while reads are in flight; 0: never
+    int64_t         fault_submit;
+    int64_t         fault_wait;
 };
+
+static int64_t env_count(const char * name) {
+    const char * v = getenv(name);
+    return v != NULL ? atoll(v) : 0;
+}
 
 int empanel_ring_init(struct empanel_ring ** out, int32_t depth, char * why, size_t why_size) {
     *out = NULL;
     struct empanel_ring * ring = calloc(1, sizeof(*ring));
-    if (ring == NULL || (ring->queued = calloc((size_t) depth, sizeof(*ring->queued))) == NULL) {
+    if (ring == NULL || (ring->queued = calloc((size_t) depth, sizeof(*ring->queued))) == NULL ||
+        (ring->failed = calloc((size_t) depth, sizeof(*ring->failed))) == NULL) {
+        if (ring != NULL) {
+            free(ring->queued);
+        }
         free(ring);
         empanel_format_err(why, why_size, "out of memory");
         return -1;
     }
-    const int rc = io_uring_queue_init((unsigned) depth, &ring->uring, 0);
+    int rc = io_uring_queue_init((unsigned) depth, &ring->uring, 0);
     if (rc < 0) {
         empanel_format_err(why, why_size, "io_uring_queue_init(%d): %s", depth, strerror(-rc));
+    } else {
+        // IORING_OP_READ came with Linux 5.6; a ring of an older kernel sets up, then fails every read
+        struct io_uring_probe * probe = io_uring_get_probe_ring(&ring->uring);
+        if (probe == NULL || !io_uring_opcode_supported(probe, IORING_OP_READ)) {
+            empanel_format_err(why, why_size, "this kernel's io_uring has no IORING_OP_READ (Linux 5.6)");
+            io_uring_queue_exit(&ring->uring);
+            rc = -1;
+        }
+        if (probe != NULL) {
+            io_uring_free_probe(probe);
+        }
+    }
+    if (rc < 0) {
         free(ring->queued);
+        free(ring->failed);
         free(ring);
         return -1;
     }
-    ring->depth = depth;
+    ring->depth        = depth;
+    ring->fault_submit = env_count("EMPANEL_FAULT_URING_SUBMIT");
+    ring->fault_wait   = env_count("EMPANEL_FAULT_URING_WAIT");
     *out = ring;
     return 0;
 }
 
 void empanel_ring_free(struct empanel_ring * ring) {
     if (ring != NULL) {
-        io_uring_queue_exit(&ring->uring); // (the kernel cancels and waits for what is in flight)
+        io_uring_queue_exit(&ring->uring); // (only with nothing in flight: the kernel does not wait)
         free(ring->queued);
+        free(ring->failed);
         free(ring);
     }
 }
 
 int32_t empanel_ring_room(const struct empanel_ring * ring) {
-    return ring->depth - ring->n_queued - ring->in_flight;
+    return ring->depth - ring->n_queued - ring->in_flight - ring->n_failed;
 }
 
 int32_t empanel_ring_in_flight(const struct empanel_ring * ring) {
-    return ring->n_queued + ring->in_flight;
+    return ring->n_queued + ring->in_flight + ring->n_failed;
 }
 
-// the rest of r, [done, length), into the submission queue (there is room: at most depth reads
-// are queued or in flight)
+// the rest of r, [done, length), into the submission queue; a ring that is broken (or, which the
+// counts rule out, has no free entry) fails it instead
 static void queue_rest(struct empanel_ring * ring, struct empanel_ring_read * r) {
-    struct io_uring_sqe * sqe = io_uring_get_sqe(&ring->uring);
+    struct io_uring_sqe * sqe = ring->broken ? NULL : io_uring_get_sqe(&ring->uring);
+    if (sqe == NULL) {
+        ring->broken = ring->broken ? ring->broken : EBUSY;
+        r->err = ring->broken;
+        ring->failed[ring->n_failed++] = r;
+        return;
+    }
     const uint64_t n = r->done == 0 && r->first > 0 && r->first < r->length ? r->first : r->length - r->done;
     io_uring_prep_read(sqe, r->fd, r->buf + r->done, (unsigned) n, r->offset + r->done);
     io_uring_sqe_set_data(sqe, r);
@@ -75,15 +113,17 @@ static void queue_rest(struct empanel_ring * ring, struct empanel_ring_read * r)
 }
 
 void empanel_ring_queue(struct empanel_ring * ring, struct empanel_ring_read * r) {
-    r->done = 0;
-    r->err  = 0;
+    r->done    = 0;
+    r->err     = 0;
+    r->retries = 0;
     queue_rest(ring, r);
 }
 
-// submit what is queued; a refusal that is not transient breaks the ring (its queued reads fail)
+// submit what is queued; a refusal that is not transient breaks the ring: its queued reads fail
+// (their entries are never submitted: the ring is not used again, empanel_ring_broken)
 static void submit(struct empanel_ring * ring) {
     for (int tries = 0; ring->n_queued > 0 && !ring->broken; tries++) {
-        const int n = io_uring_submit(&ring->uring);
+        const int n = ring->fault_submit > 0 && --ring->fault_submit == 0 ? -EPERM : io_uring_submit(&ring->uring);
         if (n > 0) { // the kernel consumes the queue in order
             memmove(ring->queued, ring->queued + n, sizeof(*ring->queued) * (size_t) (ring->n_queued - n));
             ring->n_queued  -= n;
@@ -100,33 +140,36 @@ static void submit(struct empanel_ring * ring) {
             sched_yield();
         }
     }
+    while (ring->broken && ring->n_queued > 0) {
+        struct empanel_ring_read * r = ring->queued[--ring->n_queued];
+        r->err = ring->broken;
+        ring->failed[ring->n_failed++] = r;
+    }
 }
 
 struct empanel_ring_read * empanel_ring_reap(struct empanel_ring * ring) {
     for (;;) {
         submit(ring);
-        if (ring->broken && ring->n_queued > 0) { // never submitted: failed with the kernel's errno
-            struct empanel_ring_read * r = ring->queued[--ring->n_queued];
-            r->err = ring->broken;
-            return r;
+        if (ring->n_failed > 0) {
+            return ring->failed[--ring->n_failed];
         }
         if (ring->in_flight == 0) {
             return NULL;
         }
         struct io_uring_cqe * cqe = NULL;
-        const int rc = io_uring_wait_cqe(&ring->uring, &cqe);
+        const int rc = ring->fault_wait > 0 && --ring->fault_wait == 0 ? -EFAULT : io_uring_wait_cqe(&ring->uring, &cqe);
         if (rc == -EINTR || rc == -EAGAIN) {
             continue;
         }
-        if (rc < 0) { // the reads in flight cannot be waited for: they stay in flight until the
-            ring->broken = -rc; // ring is freed (empanel_ring_free waits for them)
+        if (rc < 0) { // the reads in flight cannot be waited for, and may still land
+            ring->broken = -rc;
             return NULL;
         }
         struct empanel_ring_read * r = io_uring_cqe_get_data(cqe);
         const int res = cqe->res;
         io_uring_cqe_seen(&ring->uring, cqe);
         ring->in_flight--;
-        if (res == -EINTR || res == -EAGAIN) {
+        if ((res == -EINTR || res == -EAGAIN) && ++r->retries < 1000) {
             queue_rest(ring, r); // tried again, as pread is
             continue;
         }

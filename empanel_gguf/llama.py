@@ -46,14 +46,15 @@ class Llama(llama_cpp.Llama):
             counts halving over time; default), "lru" (per layer, the least recent), or "g-lru"
             (one budget for all layers, the least recent expert of any layer goes; host pools
             take memory only for the experts they hold).
-        moe_io_threads: reader threads besides the decoding thread (default 8; 0: the decoding
-            thread reads alone, in the remap).
+        moe_io_threads: reader threads besides the decoding thread on the threads path (default
+            8; 0: the decoding thread reads alone, in the remap, on either path).
         moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
             all reader threads at once.
         moe_read_io: how reads are issued: "threads" (moe_io_threads threads, pread each),
             "uring" (one thread keeps moe_queue_depth reads in flight with io_uring; where the
-            build or the kernel has none, the threads, with a notice) or "auto" (default: the
-            path measured best, docs/performance.md). EMPANEL_READ_IO=threads|uring overrides it.
+            build or the kernel has none, the threads, with a notice) or "auto" (default: io_uring
+            where there is one, measured faster with less CPU: docs/performance.md).
+            EMPANEL_READ_IO=threads|uring overrides it.
         moe_queue_depth: io_uring: read requests in flight at most (default 32).
         moe_direct_io: read experts with O_DIRECT, bypassing the page cache (default True; falls
             back to buffered reads with a notice where the file system refuses it).

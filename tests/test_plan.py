@@ -168,16 +168,24 @@ def _vm_size():
     return 0
 
 
-def test_reader_threads_that_fail_to_start_say_so_and_leak_nothing(good_plan, model_path, monkeypatch):
-    """Reader thread 3 of 8 fails to start (EMPANEL_FAULT_THREAD_START: pthread_create's EAGAIN):
-    the message names it with pthread_create's own error, the started threads are joined, and every
-    read buffer is freed, those of the threads that never started included."""
-    monkeypatch.setenv("EMPANEL_FAULT_THREAD_START", "3")
+@pytest.mark.parametrize("read_io, failing, of", [("threads", 3, 8), ("uring", 0, 1)])
+def test_reader_threads_that_fail_to_start_say_so_and_leak_nothing(good_plan, model_path, monkeypatch, read_io,
+                                                                   failing, of):
+    """Reader thread 3 of 8 (io_uring: its one thread) fails to start (EMPANEL_FAULT_THREAD_START:
+    pthread_create's EAGAIN): the message names it with pthread_create's own error, the started
+    threads are joined, and every read buffer (and the ring) is freed, those of the threads that
+    never started included."""
+    if read_io == "uring":
+        from conftest import require_uring
+
+        require_uring()
+    monkeypatch.setenv("EMPANEL_READ_IO", read_io)
+    monkeypatch.setenv("EMPANEL_FAULT_THREAD_START", str(failing))
     params = record(good_plan, "params").split(" ")
     params[1] = "8"
     text = with_record(good_plan, record(good_plan, "params"), " ".join(params))
     err = open_plan(text, model_path)
-    assert err == "empanel: cannot start reader thread 3 of 8: Resource temporarily unavailable", err
+    assert err == f"empanel: cannot start reader thread {failing} of {of}: Resource temporarily unavailable", err
     if SANITIZED or not Path("/proc/self/status").exists():
         return  # the sanitizer's allocator keeps freed memory aside (VmSize says nothing)
     for _ in range(20):

@@ -111,7 +111,7 @@ def test_the_plan_carries_the_read_path(fixture_dir, monkeypatch):
     load = plan_load(index, "25%", {}, options=moe_options(moe_read_io="uring", moe_queue_depth=16))
     text = plan_file.plan_text(index, load.pools)
     assert "\nio 2 16\n" in text
-    for moe_read_io, want in (("uring", "uring"), ("threads", "threads"), ("auto", "threads")):
+    for moe_read_io, want in (("uring", "uring"), ("threads", "threads"), ("auto", "uring")):
         _, _, stats = run(path, "25%", moe_read_io=moe_read_io, moe_queue_depth=16)
         assert stats["read_io"] == want, moe_read_io
     n = native()
@@ -121,3 +121,59 @@ def test_the_plan_carries_the_read_path(fixture_dir, monkeypatch):
                                              err, 512)
         assert handle == n.ffi.NULL, bad
         assert "io" in n.ffi.string(err).decode(), bad
+
+
+def _uring_load(path, monkeypatch):
+    from conftest import require_uring
+
+    require_uring()
+    monkeypatch.setenv("EMPANEL_READ_IO", "uring")
+    return Llama(str(path), moe_slots="25%", moe_preload=False, **KW)
+
+
+def test_a_refused_submission_fails_once_then_preads(fixture_dir, monkeypatch):
+    """The kernel refuses a submission (EMPANEL_FAULT_URING_SUBMIT=3: EPERM, as a seccomp profile
+    answers io_uring_enter): that eval raises MoeReadError naming it and takes no token in; the
+    ring is not used again, the same thread reads with pread, and the same prompt then gives
+    stock's logits (no slot kept bytes it never got)."""
+    from empanel_gguf import MoeReadError
+
+    path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
+    monkeypatch.setenv("EMPANEL_FAULT_URING_SUBMIT", "3")
+    llm = _uring_load(path, monkeypatch)
+    try:
+        tokens = llm.tokenize(TEXT)
+        with pytest.raises(MoeReadError, match=r"Operation not permitted \(io_uring\)"):
+            llm.eval(tokens)
+        assert llm.n_tokens == 0
+        assert llm.moe_stats()["read_io"] == "threads"
+        llm.reset()
+        logits, got = greedy_logits(llm, tokens, N_GREEDY)
+    finally:
+        llm.close()
+    ref_logits, ref_tokens, _ = stock(path, False)
+    assert got == ref_tokens and np.array_equal(logits, ref_logits)
+
+
+def test_a_ring_that_stops_answering_fails_every_later_read(fixture_dir, monkeypatch):
+    """The kernel stops answering with reads in flight (EMPANEL_FAULT_URING_WAIT=4: the wait
+    fails with EFAULT): those reads may still land, so no read is safe in this process any more:
+    the eval raises MoeReadError saying what to do, every later one too (none reuses a buffer
+    the kernel may write), and close() frees the model without a crash."""
+    from empanel_gguf import MoeReadError
+
+    path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
+    monkeypatch.setenv("EMPANEL_FAULT_URING_WAIT", "4")
+    llm = _uring_load(path, monkeypatch)
+    try:
+        tokens = llm.tokenize(TEXT)
+        with pytest.raises(MoeReadError, match="io_uring stopped answering.*EMPANEL_READ_IO=threads"):
+            llm.eval(tokens)
+        assert llm.n_tokens == 0
+        llm.reset()
+        with pytest.raises(MoeReadError, match="io_uring lost reads earlier"):
+            llm.eval(tokens)
+        assert llm.n_tokens == 0
+    finally:
+        llm.close()
+    assert llm.moe_stats() is None

@@ -225,6 +225,7 @@ def _decode(llm, trace, spec) -> dict:
     import numpy as np
 
     times, argmax, finite = [], [], True
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t_start = time.perf_counter()
     for tok in trace:
         t0 = time.perf_counter()
@@ -236,7 +237,12 @@ def _decode(llm, trace, spec) -> dict:
         finite = finite and bool(np.isfinite(logits).all())
         if t1 - t_start > spec["max_tg_s"] and len(times) >= spec["min_tg"]:
             break
-    return {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax}
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    # the process's CPU over every thread (compute, readers, io_uring's workers) and its context
+    # switches, over the decode (the kernel's interrupt work for the drive is in no process's clock)
+    cpu = {"cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
+           "voluntary_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "involuntary_switches": ru1.ru_nivcsw - ru0.ru_nivcsw}
+    return {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax, **cpu}
 
 
 def _result(spec, llm, load_s, rss, warmup, pp, tg, moe_total) -> dict:

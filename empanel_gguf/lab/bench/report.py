@@ -106,7 +106,8 @@ def details_table(bench: Bench, rows) -> str:
     """Where the decode time goes, per row (medians; ms per decoded token). 'cold': the warm-up
     run right after load, before the measured one."""
     headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
-               "write ms", "wait ms", "compute ms", "reader CPU ms", "copied/tok", "disk GB/s busy", "disk busy %", "ceiling t/s",
+               "write ms", "wait ms", "compute ms", "reader CPU ms", "process CPU ms", "of it sys ms", "switches/tok",
+               "copied/tok", "disk GB/s busy", "disk busy %", "ceiling t/s",
                "reader % drive", "others' CPU %", "argmax = stock", "pp waves", "pp read", "pp hidden %",
                "pp wait ms", "tg guess recall %", "tg read-ahead used %", "tg read-ahead dropped %", "tg read-ahead waste/tok"]
     out = []
@@ -117,7 +118,9 @@ def details_table(bench: Bench, rows) -> str:
                     fmt_bytes(row.get("cgroup_peak")), fmt_bytes(row.get("tg_io_per_tok")),
                     fmt(row.get("tg_read_ms"), ".1f"), fmt(row.get("tg_write_ms"), ".1f"),
                     fmt(row.get("tg_wait_ms"), ".1f"), fmt(row.get("tg_compute_ms"), ".1f"),
-                    fmt(row.get("tg_read_cpu_ms"), ".1f"), fmt_bytes(row.get("tg_bounce_per_tok")),
+                    fmt(row.get("tg_read_cpu_ms"), ".1f"), fmt(row.get("tg_cpu_ms"), ".1f"),
+                    fmt(row.get("tg_sys_ms"), ".1f"), fmt(row.get("tg_switches"), ".0f"),
+                    fmt_bytes(row.get("tg_bounce_per_tok")),
                     fmt(row.get("tg_dev_gbps")), fmt(row.get("tg_dev_busy_pct"), ".0f"), fmt(row.get("ceiling_tps")), fmt(row.get("reader_pct_drive"), ".0f"),
                     fmt(row.get("others_cpu_pct"), ".0f"), row.get("argmax_agree", "-"),
                     fmt(row.get("pp_waves"), ".1f"), fmt_bytes(row.get("pp_read_bytes")),

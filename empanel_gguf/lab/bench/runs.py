@@ -260,6 +260,10 @@ def sample_metrics(s: dict) -> dict:
         else:
             m[f"{ph}_read_per_tok"] = m[f"{ph}_io_per_tok"]
             m[f"{ph}_compute_ms"] = 1000 * sec / n if n else None
+        if ph == "tg" and n and "cpu_user_s" in d:  # the whole process, every thread (child._decode)
+            m["tg_cpu_ms"] = 1000 * (d["cpu_user_s"] + d["cpu_sys_s"]) / n
+            m["tg_sys_ms"] = 1000 * d["cpu_sys_s"] / n
+            m["tg_switches"] = (d["voluntary_switches"] + d["involuntary_switches"]) / n
         if d.get("dev_busy_s"):  # the disk's own view: rate while busy, share of the phase busy
             m[f"{ph}_dev_gbps"] = d["dev_read_bytes"] / d["dev_busy_s"] / 1e9
             m[f"{ph}_dev_busy_pct"] = 100 * d["dev_busy_s"] / sec if sec > 0 else None
