@@ -385,3 +385,15 @@ def test_missing_program_says_how_to_build(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "EMPANEL_PROGRAMS=ON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_default_floor_scales_down_for_small_memories():
+    """The memory guard's default floor: 1 GiB or 5 % of the memory from 4 GiB up, a quarter of
+    a smaller one (a small cgroup limit keeps most of itself for the pools)."""
+    from empanel_gguf.planning.host_memory import GiB, default_floor
+
+    assert default_floor(64 * GiB) == int(0.05 * 64 * GiB)
+    assert default_floor(8 * GiB) == GiB
+    assert default_floor(4 * GiB) == GiB
+    assert default_floor(int(1.6 * GiB)) == int(1.6 * GiB) // 4
+    assert default_floor(512 << 20) == 128 << 20

@@ -108,7 +108,7 @@ def env_arg(parser, *flags, env, default=None, help="", show_default=None, **kwa
 
 def add_memory_args(parser):
     env_arg(parser, "--mem-floor", env="LLAMA_ARG_MEM_FLOOR", metavar="SIZE|P%",
-            show_default="max(1 GiB, 5% of memory)",
+            show_default="max(1 GiB, 5% of memory); 25% below 4 GiB",
             help="memory to keep free: refuse a load whose estimate leaves less, stop a run when "
                  "less is left; 0 turns the guard off")
     env_arg(parser, "--force", env="LLAMA_ARG_FORCE", action="store_true", default=False,

@@ -152,9 +152,12 @@ def available_memory():
 
 
 def default_floor(total=None):
-    """max(1 GiB, 5 % of the memory)."""
+    """max(min(1 GiB, 25 % of the memory), 5 % of it): 1 GiB or 5 % where there are 4 GiB or
+    more; a quarter of a smaller memory (a small cgroup limit), so that a 1.6 GiB cap does not
+    keep 1 GiB of it from the pools (on the 12-layer bench model under a 40 % cap that floor let
+    moe_slots="auto" plan 9 slots, decoding at 6.4 t/s where the 32 that fit decoded at 11.9)."""
     total = total_memory() if total is None else total
-    return max(GiB, int(0.05 * total)) if total else GiB
+    return max(min(GiB, total // 4), int(0.05 * total)) if total else GiB
 
 
 def parse_floor(text, total=None):
