@@ -221,9 +221,10 @@ int32_t empanel_load_masked(struct empanel_load * load) {
 static void write_stats(const struct empanel_load * load, FILE * out) {
     uint64_t wire_sent, wire_received, round_trips; // RPC servers (--rpc): this process's wire
     empanel_rpc_wire_bytes(&wire_sent, &wire_received, &round_trips);
-    fprintf(out, "{\"seconds\": %.3f, \"masked_pools\": %d, \"n_expert_used\": %d, \"wire_sent\": %" PRIu64
-            ", \"wire_received\": %" PRIu64 ", \"round_trips\": %" PRIu64 ", \"layers\": {",
-            (empanel_now_ns() - load->t_open_ns) / 1e9, load->n_masked, load->plan.n_expert_used, wire_sent,
+    fprintf(out, "{\"seconds\": %.3f, \"masked_pools\": %d, \"n_expert_used\": %d, \"read_io\": \"%s\", "
+            "\"wire_sent\": %" PRIu64 ", \"wire_received\": %" PRIu64 ", \"round_trips\": %" PRIu64 ", \"layers\": {",
+            (empanel_now_ns() - load->t_open_ns) / 1e9, load->n_masked, load->plan.n_expert_used,
+            empanel_pool_read_io(load->pool) == EMPANEL_READ_IO_URING ? "uring" : "threads", wire_sent,
             wire_received, round_trips);
     int first = 1;
     for (int32_t il = 0; il < load->plan.n_layer; il++) {

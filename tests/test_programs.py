@@ -26,6 +26,7 @@ import pytest
 from conftest import child_env, require_programs
 from loadgen import llama_server
 
+from empanel_gguf.engine.native import uring_available
 from empanel_gguf.models import fixtures
 from empanel_gguf.commands import programs
 from empanel_gguf.commands.options import BUILTIN_MODEL
@@ -113,6 +114,7 @@ def test_llama_bench_prints_its_table_with_pools(model, tmp_path):
     assert re.search(r"empanel: \d+ hits, \d+ misses", proc.stderr), proc.stderr
     assert "outputs bit-identical to llama.cpp --no-repack" in proc.stderr  # paging: auto chose plain pools
     assert loads[-1]["exact_to"] == "llama.cpp --no-repack"
+    assert loads[-1]["read_io"] == ("uring" if uring_available()[0] else "threads")  # the plan's io record
 
 
 def test_programs_take_moe_repack_off_as_no_repack(model, text_file):

@@ -79,6 +79,7 @@ def read_stats_file(path):
                 stats = layer_stats({int(il): row for il, row in record["layers"].items()},
                                     record.get("masked_pools", 0), record.get("n_expert_used", 0))
                 stats["seconds"] = record.get("seconds", 0.0)
+                stats["read_io"] = record.get("read_io", "threads")
                 if record.get("wire_sent") or record.get("wire_received"):  # --rpc
                     stats["total"]["wire_sent"] = record["wire_sent"]
                     stats["total"]["wire_received"] = record["wire_received"]
