@@ -253,9 +253,8 @@ int  empanel_ring_broken(const struct empanel_ring * ring);
 // io_uring, one reader thread keeps up to `depth` chunks in flight in its ring and lands them,
 // and the calling thread only waits
 struct empanel_reader {
-    int32_t         io;           // EMPANEL_READ_IO_THREADS or EMPANEL_READ_IO_URING: how chunks are read
     int32_t         depth;        // io_uring: chunks in flight at most
-    struct empanel_ring      * ring;     // io_uring: the ring of reader thread 0, else NULL
+    struct empanel_ring      * ring;     // io_uring: the ring of reader thread 0; NULL: the threads read
     struct empanel_ring_read * ring_ops; // [depth] its reads, each with a bounce buffer
     atomic_int      ring_state;   // written by the ring thread: RING_OK; RING_OFF: it broke with nothing in flight,
                                   // the thread preads; RING_LOST: the kernel kept reads (reader.c)

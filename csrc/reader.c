@@ -424,34 +424,28 @@ static int32_t read_io_asked(int32_t read_io) {
     return read_io == EMPANEL_READ_IO_AUTO ? EMPANEL_READ_IO_DEFAULT : read_io;
 }
 
-// io_uring: the ring and its reads' bounce buffers; 0, or -1 where there is no io_uring (the
-// notice says why, and the threads read)
+// io_uring: the ring and its reads; 0, or -1 where there is none (the notice says why, and the
+// threads read)
 static int ring_start(struct empanel_reader * reader, int32_t depth) {
     char why[160];
     const char * fault = getenv("EMPANEL_FAULT_URING"); // tests: the kernel refuses io_uring
     if (fault != NULL && atoi(fault) != 0) {
         snprintf(why, sizeof(why), "refused: EMPANEL_FAULT_URING");
-    }
-    if ((fault != NULL && atoi(fault) != 0) || empanel_ring_init(&reader->ring, depth, why, sizeof(why)) != 0) {
-        struct empanel_pool * pool = reader->pool;
-        if (pool->notice[0] == '\0') {
-            snprintf(pool->notice, sizeof(pool->notice), "io_uring is not available (%s): reading with threads", why);
+    } else if (empanel_ring_init(&reader->ring, depth, why, sizeof(why)) == 0) {
+        reader->ring_ops = calloc((size_t) depth, sizeof(*reader->ring_ops));
+        if (reader->ring_ops != NULL) {
+            reader->depth = depth;
+            return 0;
         }
-        return -1;
-    }
-    reader->ring_ops = calloc((size_t) depth, sizeof(*reader->ring_ops));
-    if (reader->ring_ops == NULL) {
         empanel_ring_free(reader->ring);
         reader->ring = NULL;
-        struct empanel_pool * pool = reader->pool;
-        if (pool->notice[0] == '\0') {
-            snprintf(pool->notice, sizeof(pool->notice), "io_uring: out of memory for %d reads: reading with threads",
-                     depth);
-        }
-        return -1;
+        snprintf(why, sizeof(why), "out of memory for %d reads", depth);
     }
-    reader->depth = depth;
-    return 0;
+    struct empanel_pool * pool = reader->pool;
+    if (pool->notice[0] == '\0') {
+        snprintf(pool->notice, sizeof(pool->notice), "io_uring is not available (%s): reading with threads", why);
+    }
+    return -1;
 }
 
 int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, int32_t read_io,
@@ -472,12 +466,10 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
         return -1;
     }
     reader->pool        = pool;
-    reader->io          = EMPANEL_READ_IO_THREADS;
     atomic_store(&reader->ring_state, RING_OK);
     // (no reader thread asked for: the caller reads alone, with pread)
     if (n_threads > 0 && read_io_asked(read_io) == EMPANEL_READ_IO_URING && ring_start(reader, depth > 0 ? depth : 32) == 0) {
-        reader->io = EMPANEL_READ_IO_URING;
-        n_threads  = 1; // the ring's
+        n_threads = 1; // the ring's
     }
     reader->n_threads   = 0;
     reader->chunk_bytes = empanel_align_up(chunk_bytes > 0 ? chunk_bytes : EMPANEL_ALIGN);
@@ -649,6 +641,6 @@ int empanel_reader_lost(const struct empanel_pool * pool) {
 
 // the path reads take now: io_uring, or the threads (asked for, or the ring broke)
 int32_t empanel_reader_io(const struct empanel_pool * pool) {
-    return pool->reader.io == EMPANEL_READ_IO_URING && atomic_load(&pool->reader.ring_state) == RING_OK
+    return pool->reader.ring != NULL && atomic_load(&pool->reader.ring_state) == RING_OK
            ? EMPANEL_READ_IO_URING : EMPANEL_READ_IO_THREADS;
 }

@@ -115,8 +115,8 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
-                 moe_chunk_kb=256, moe_read_io="auto", moe_queue_depth=32, moe_direct_io=True, moe_trace=False, moe_preload=None,
-                 moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
+                 moe_chunk_kb=256, moe_read_io="auto", moe_queue_depth=32, moe_direct_io=True, moe_trace=False,
+                 moe_preload=None, moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
                  moe_verify=False, moe_repack="auto", moe_host_cache=None, moe_host_cache_unified=False,
                  moe_mtp=False, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
@@ -250,9 +250,9 @@ class Llama(llama_cpp.Llama):
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
         "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit, and
-        "read_io": the read path taken ("threads" or "uring"); None without slot pools. With rpc_servers the total also has wire_sent, wire_received (bytes
-        this process exchanged with the RPC servers so far) and round_trips (commands it waited
-        for an answer to)."""
+        "read_io": the read path taken ("threads" or "uring"); None without slot pools. With
+        rpc_servers the total also has wire_sent, wire_received (bytes this process exchanged with
+        the RPC servers so far) and round_trips (commands it waited for an answer to)."""
         if self._experts is None:
             return None
         stats = self._experts.stats()

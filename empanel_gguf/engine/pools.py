@@ -65,7 +65,8 @@ class ExpertPools:
 
     def read_io(self):
         """The read path the pool took: "threads" or "uring"."""
-        return "uring" if self.n.sidecar.empanel_pool_read_io(self.pool) == 2 else "threads"
+        uring = self.n.sidecar.empanel_pool_read_io(self.pool) == self.n.sidecar.EMPANEL_READ_IO_URING
+        return "uring" if uring else "threads"
 
     def notice(self):
         return self.n.ffi.string(self.n.sidecar.empanel_pool_notice(self.pool)).decode(errors="replace")
