@@ -7,6 +7,7 @@ COMMANDS = {
     "run": "complete a prompt or chat with a model (default: the built-in one)",
     "serve": "OpenAI-compatible server (llama_cpp.server) with expert slot pools",
     "exec": "run an unchanged llama-cpp-python program with empanel-gguf",
+    "fit": "how fast and in how much memory: predicted per budget, measured here",
     "inspect": "routed experts of a GGUF: layers, types, offsets, sizes",
     "trace": "record every token's routed experts of a run into a trace file",
     "replay": "replay a routing trace through cache policies at several sizes",
