@@ -23,7 +23,6 @@ from .engine.pools import ExpertPools, MoeReadError
 from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
 from .engine.rpc import wire_counts as rpc_wire_counts
-from .planning.sizing import DEFAULT_POLICY
 from .engine.stats import summary_line
 
 llama_cpp = use_our_libraries()
@@ -42,8 +41,9 @@ class Llama(llama_cpp.Llama):
             budget for all pools ("6GiB"), or "auto": every expert resident if the model fits in
             the available memory (minus a floor), else the most slots that fit. None: stock
             behaviour, every expert resident.
-        moe_policy: which expert a full pool evicts: "lfu-decay" (per layer, the least used,
-            counts halving over time; default), "lru" (per layer, the least recent), or "g-lru"
+        moe_policy: which expert a full pool evicts: "auto" (default: the policy `calibrate`
+            ranked best for this file at the planned slots, from its profile; else "lfu-decay"),
+            "lfu-decay" (per layer, the least used, counts halving over time), "lru" (per layer, the least recent), or "g-lru"
             (one budget for all layers, the least recent expert of any layer goes; host pools
             take memory only for the experts they hold).
         moe_io_threads: reader threads besides the decoding thread on the threads path (default
@@ -114,7 +114,7 @@ class Llama(llama_cpp.Llama):
             experts exceed the pools runs in waves that fit them, in every build).
     """
 
-    def __init__(self, model_path, *args, moe_slots=None, moe_policy=DEFAULT_POLICY, moe_io_threads=8,
+    def __init__(self, model_path, *args, moe_slots=None, moe_policy="auto", moe_io_threads=8,
                  moe_chunk_kb=256, moe_read_io="auto", moe_queue_depth=32, moe_direct_io=True, moe_trace=False,
                  moe_preload=None, moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
                  moe_verify=False, moe_repack="auto", moe_host_cache=None, moe_host_cache_unified=False,

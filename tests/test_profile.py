@@ -127,3 +127,73 @@ def test_a_damaged_cached_profile_is_reported_and_ignored(tmp_path, capfd):
 
     assert main(["run", str(path), "-p", "Hello", "-n", "2", "--moe-slots", "4"]) == 0
     assert "warm start" in capfd.readouterr().err
+
+
+# moe_policy="auto": calibrate's policy ranking, used at plan time
+
+
+def test_calibrate_ranks_the_engine_policies(builtin_profile):
+    from empanel_gguf.engine.header import ENGINE_POLICIES
+
+    index = load_index(BUILTIN_MODEL)
+    profile = load_profile(builtin_profile, index)
+    ranking = profile.policies
+    assert ranking["slots"] == sorted(ranking["slots"]) and ranking["slots"][0] == index.n_expert_used
+    assert set(ranking["hit_rate"]) == set(ENGINE_POLICIES)
+    for row in ranking["hit_rate"].values():
+        assert len(row) == len(ranking["slots"]) and all(0 < r < 1 for r in row)
+        assert row == sorted(row)  # more slots, more hits, for every policy
+
+
+def _shifting_records(index, n_tokens=600):
+    """Routing whose hot set moves halfway: the first half uses experts 0..7, the second 8..15,
+    each token k of its half's 8 (every MoE layer the same). Recency wins; counts lag."""
+    k = index.n_expert_used
+    rng = np.random.default_rng(0)
+    out = []
+    for t in range(n_tokens):
+        hot = np.arange(8) + (0 if t < n_tokens // 2 else 8)
+        ids = rng.choice(hot, size=k, replace=False)
+        for il in index.moe_layers:
+            out += [il, 1, k, *ids.tolist()]
+    return [np.asarray(out, dtype=np.int32)]
+
+
+def test_auto_takes_the_policy_the_replay_ranks_best(tmp_path):
+    from empanel_gguf.commands.calibrate import rank_policies
+    from empanel_gguf.planning.cache import file_identity
+    from empanel_gguf.planning.plan import moe_options, plan_load
+    from empanel_gguf.planning.profile import Profile
+
+    index = load_index(BUILTIN_MODEL)
+    ranking = rank_policies(index, _shifting_records(index))
+    at = ranking["slots"].index(8)
+    lru, lfu = ranking["hit_rate"]["lru"][at], ranking["hit_rate"]["lfu-decay"][at]
+    assert lru > lfu  # the traces choose other than the default
+    profile = Profile(model=file_identity(index), n_expert=index.n_expert, n_expert_used=index.n_expert_used,
+                      moe_layers=index.moe_layers, tokens=600,
+                      counts=np.ones((len(index.moe_layers), index.n_expert), dtype=np.int64), policies=ranking)
+    path = save_profile(profile, tmp_path / "shift.json")
+    load = plan_load(index, 8, options=moe_options(moe_profile=str(path)))
+    assert load.options.policy == "lru" or load.options.policy == "g-lru"
+    assert load.options.policy == max(ranking["hit_rate"], key=lambda p: ranking["hit_rate"][p][at])
+    assert any(n.startswith("moe-policy auto: ") for n in load.notes)
+    # without a profile: the default, said so; an explicit policy is kept
+    plain = plan_load(index, 8, options=moe_options(moe_profile=None))
+    assert plain.options.policy == "lfu-decay" and any("no calibrated policy ranking" in n for n in plain.notes)
+    assert plan_load(index, 8, options=moe_options(moe_policy="lfu-decay", moe_profile=str(path))).options.policy == "lfu-decay"
+    # and the load runs it: Llama names the policy it took
+    llm = Llama(str(BUILTIN_MODEL), moe_slots=8, moe_profile=str(path), n_ctx=64, verbose=False)
+    try:
+        assert llm.moe_policy == load.options.policy
+    finally:
+        llm.close()
+
+
+def test_a_malformed_policy_ranking_is_refused(builtin_profile, tmp_path):
+    data = json.loads(Path(builtin_profile).read_text())
+    data["policies"] = {"slots": [4, 8], "hit_rate": {"lru": [0.5]}}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="policy ranking"):
+        load_profile(bad, load_index(BUILTIN_MODEL))

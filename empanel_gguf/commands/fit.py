@@ -23,11 +23,13 @@ def setup_arg_parser():
     parser = command_parser("fit", __doc__)
     parser.add_argument("model", help="GGUF model (first shard of a split)")
     parser.add_argument("--memory", metavar="LIST", help="budgets of peak memory, comma-separated (4GiB,8GiB)")
-    parser.add_argument("--policy", default=DEFAULT_POLICY, help=f"eviction policy to predict (default: {DEFAULT_POLICY})")
+    parser.add_argument("--policy", default="auto",
+                        help=f"eviction policy to predict (default: auto, as the load takes it: the calibrated "
+                             f"profile's best at each budget's slots, else {DEFAULT_POLICY})")
     parser.add_argument("-c", "--ctx-size", type=int, default=None, help="context size the budgets hold (default: the commands')")
     parser.add_argument("-t", "--threads", type=int, default=None, help="threads of the measuring run (default: llama-cpp-python's)")
     parser.add_argument("--seconds", type=float, default=120.0, help="at most this long for the measuring run (default: 120)")
-    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens of the measuring run (default: 256)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens of the measuring run, one micro-batch (default: 512, as llama.cpp's)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens it decodes (default: 32)")
     parser.add_argument("--fresh", action="store_true", help="measure again (ignore the saved measurement)")
     parser.add_argument("--json", action="store_true", help="print the measurement and the rows as JSON")
@@ -69,8 +71,8 @@ def main(argv=None):
         print("empanel-gguf fit: --plot needs matplotlib, an optional extra: pip install matplotlib", file=sys.stderr)
         return 1
     try:
-        if args.policy not in ENGINE_POLICIES:
-            raise ValueError(f"--policy {args.policy}: one of {', '.join(ENGINE_POLICIES)}")
+        if args.policy != "auto" and args.policy not in ENGINE_POLICIES:
+            raise ValueError(f"--policy {args.policy}: auto or one of {', '.join(ENGINE_POLICIES)}")
         index = load_index(args.model)
         if not index.is_moe:
             raise FitError(f"{args.model}: no routed experts ({index.architecture}): nothing to page; "

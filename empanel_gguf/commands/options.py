@@ -144,10 +144,11 @@ def add_moe_args(parser, moe_slots_default="auto"):
             help="expert slots per MoE layer: a count, a share of the experts, a budget for all "
                  "pools (6GiB), auto (slot pools only if the experts do not fit in memory), or "
                  "none (every expert resident)")
-    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default=DEFAULT_POLICY,
-            choices=tuple(ENGINE_POLICIES),
-            help="which expert a full pool evicts: lfu-decay (least used, decaying counts) and lru "
-                 "per layer, g-lru with one budget for all layers")
+    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default="auto",
+            choices=("auto",) + tuple(ENGINE_POLICIES),
+            help="which expert a full pool evicts: auto (the one `calibrate` ranked best for this "
+                 f"file at the planned slots, else {DEFAULT_POLICY}), lfu-decay (least used, decaying "
+                 "counts) and lru per layer, g-lru with one budget for all layers")
     env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
             help="expert reader threads besides the decoding thread (0: it reads alone)")
     env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,

@@ -104,7 +104,7 @@ def main(argv=None):
         print(f"empanel-gguf trace: could not load {args.model}: {e}", file=sys.stderr)
         return 1
     sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
-    rec = Recorder(llm, moe_slots=moe_slots, moe_policy=args.moe_policy if moe_slots is not None else None)
+    rec = Recorder(llm, moe_slots=moe_slots, moe_policy=llm.moe_policy if moe_slots is not None else None)
     t0 = time.perf_counter()
     stopped = None
     try:

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..planning.format import GiB, MiB
+from ..planning.sizing import DEFAULT_POLICY
 
 MEASURE_SLOTS = "25%"  # pools of the measuring run (or the most that fit, if fewer)
 MIN_READ_BYTES = 32 * MiB  # below this the readers' own rate is too noisy: the probe's is used
@@ -95,7 +96,7 @@ def _phase(before, after, wall, n):
     return 1000.0 * compute / max(1, n), hidden
 
 
-def measure(model_path, *, n_prompt=256, n_decode=32, seconds=120.0, n_threads=None, fresh=False,
+def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=None, fresh=False,
             probe_seconds=2.0, text=None, log=None) -> Measurement:
     """Run the model once (bounded by `seconds`), probe the drive, save both in the cache; a saved
     measurement of this file is returned instead unless `fresh`."""
@@ -229,7 +230,7 @@ def check_budgets(index, budgets, params):
         _slots_for(index, budget, label, params)
 
 
-def predict(m: Measurement, index, budgets, params, policy="lfu-decay"):
+def predict(m: Measurement, index, budgets, params, policy="auto"):
     """One dict per (bytes, label) budget: slots, peak, hit rate, read/token, predicted t/s, bound.
     A budget below the fewest slots' peak raises FitError saying what the minimum is."""
     from ..planning.estimate import estimate
@@ -241,17 +242,27 @@ def predict(m: Measurement, index, budgets, params, policy="lfu-decay"):
     gbps, _ = m.gbps
     e = index.n_expert
     full = estimate(index, None, **params).host
+    profile = None
+    if policy == "auto":
+        from ..planning.profile import ProfileError, resolve
+
+        try:
+            profile, _ = resolve(index, "auto")
+        except ProfileError:
+            profile = None
     rows = []
     for budget, label in budgets:
         slots = _slots_for(index, budget, label, params)
-        peak = full if slots >= e else estimate(index, plan_slots(index, slots, policy), **params).host
+        chosen = profile.choose_policy(slots, DEFAULT_POLICY) if profile is not None else None
+        row_policy = policy if policy != "auto" else chosen[0] if chosen else DEFAULT_POLICY
+        peak = full if slots >= e else estimate(index, plan_slots(index, slots, row_policy), **params).host
         if slots >= e:
             hit, decode_b, prompt_b = 1.0, 0.0, 0.0
         else:
-            decode = replay(trace, sizes=[slots], policies=[policy], count="decode")["results"][0]
+            decode = replay(trace, sizes=[slots], policies=[row_policy], count="decode")["results"][0]
             hit, decode_b = decode["hit_rate"], decode["missed_bytes_per_token"]
             prompt_b = _prompt_read_per_token(trace, slots)
-        row = dict(budget=int(budget), label=label, slots=int(slots), peak=int(peak), hit_rate=hit,
+        row = dict(budget=int(budget), label=label, slots=int(slots), policy=row_policy, peak=int(peak), hit_rate=hit,
                    read_per_token=decode_b, prompt_read_per_token=prompt_b)
         for phase, compute, hidden, nbytes in (("decode", m.decode_compute_ms, m.decode_hidden, decode_b),
                                                ("prompt", m.prompt_compute_ms, m.prompt_hidden, prompt_b)):
@@ -294,10 +305,10 @@ def format_table(m: Measurement, rows, name):
                      f"threads, {d['seconds']:.1f} s; a VM's host cache can make this differ from the readers')")
     lines += [f"  note     {n}" for n in m.notes]
     lines.append("")
-    head = ("memory", "", "slots", "peak", "hit", "read/token", "decode t/s", "bound", "prompt t/s", "bound")
+    head = ("memory", "", "slots", "policy", "peak", "hit", "read/token", "decode t/s", "bound", "prompt t/s", "bound")
     table = [head]
     for r in rows:
-        table.append((format_bytes(r["budget"]), r["label"], str(r["slots"]), format_bytes(r["peak"]),
+        table.append((format_bytes(r["budget"]), r["label"], str(r["slots"]), r["policy"], format_bytes(r["peak"]),
                       f"{100 * r['hit_rate']:.0f} %", format_bytes(int(r["read_per_token"])),
                       f"{r['decode_tps']:.2f}", r["decode_bound"], f"{r['prompt_tps']:.1f}", r["prompt_bound"]))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]

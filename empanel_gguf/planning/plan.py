@@ -39,7 +39,7 @@ ESTIMATE_KWARGS = {"n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "n_gpu_layers"
 class MoeOptions:
     """How the pools run: Llama's moe_* arguments other than moe_slots (same names without the
     prefix, same defaults)."""
-    policy: str = DEFAULT_POLICY
+    policy: str = "auto"  # "auto": the calibrated profile's best at the planned slots, else DEFAULT_POLICY
     io_threads: int = 8
     chunk_kb: int = 256
     read_io: str = "auto"          # "auto", "threads" (io_threads preads) or "uring" (one thread, io_uring)
@@ -277,8 +277,8 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     (Llama with an explicit moe_slots); force: warn instead of refusing. Raises guard.MemoryRefused, sizing.SlotsError for
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
-    if options.policy not in ENGINE_POLICIES:
-        raise ValueError(f"moe_policy={options.policy!r}: one of {', '.join(ENGINE_POLICIES)}")
+    if options.policy not in ENGINE_POLICIES and options.policy != "auto":
+        raise ValueError(f"moe_policy={options.policy!r}: auto or one of {', '.join(ENGINE_POLICIES)}")
     requested = moe_slots
     resident_layers = options.resident_layers
     given = llama_kwargs or {}
@@ -310,6 +310,8 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         notes.append(f"{name}: no routed experts ({index.architecture}); moe_slots ignored, loading as usual")
         moe_slots = None
 
+    if options.policy == "auto":
+        options = replace(options, policy=_auto_policy(index, moe_slots, options, notes))
     plan = plan_slots(index, moe_slots, options.policy, resident_layers) if moe_slots is not None else None
     if plan is not None and index.n_layer_nextn:
         notes.append(_mtp_line(index))
@@ -405,6 +407,29 @@ def _saved_digests(index, notes):
     else:
         notes.append(f"moe_verify: expert reads checked against the digests in {digests.default_path(index)}")
     return saved
+
+
+def _auto_policy(index, moe_slots, options, notes):
+    """moe_policy="auto": the policy the calibration profile's replay ranks best at the planned
+    slots (calibrate), else DEFAULT_POLICY."""
+    from .profile import ProfileError, resolve
+
+    if moe_slots is None:
+        return DEFAULT_POLICY  # (no pools: no eviction)
+    slots = plan_slots(index, moe_slots, DEFAULT_POLICY, options.resident_layers).min_slots
+    try:
+        profile, _ = resolve(index, options.profile)
+    except ProfileError:
+        profile = None  # (_warm_start says why)
+    chosen = profile.choose_policy(slots, DEFAULT_POLICY) if profile is not None else None
+    if chosen is None:
+        notes.append(f"moe-policy auto: {DEFAULT_POLICY} (no calibrated policy ranking for this file: "
+                     "empanel-gguf calibrate makes one)")
+        return DEFAULT_POLICY
+    best, at, rates = chosen
+    ranked = ", ".join(f"{name} {100 * rate:.1f}%" for name, rate in sorted(rates.items(), key=lambda kv: -kv[1]))
+    notes.append(f"moe-policy auto: {best} (the profile's replay at {at} slots: {ranked})")
+    return best
 
 
 def _warm_start(index, moe_profile, notes, warnings):

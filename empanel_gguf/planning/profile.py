@@ -7,7 +7,12 @@ A profile is a small JSON file tied to one model file by its identity:
      "model": {"name": ..., "size": bytes, "header_sha256": ...},   # the identity
      "n_expert": E, "n_expert_used": k, "moe_layers": [il, ...],
      "tokens": n,                                                    # tokens routed
-     "counts": [[uses of expert 0..E-1] per MoE layer, in moe_layers order]}
+     "counts": [[uses of expert 0..E-1] per MoE layer, in moe_layers order],
+     "policies": {"slots": [s, ...], "hit_rate": {policy: [rate at each s]}}}   # optional
+
+`policies` is calibrate's replay of the engine's eviction policies over the text's routing, one
+token at a time (as decode calls them) at several slot counts; moe_policy="auto" takes the best
+at the planned slots (choose_policy).
 
 The identity is the file's size and a SHA-256 of its header (cache.file_identity): a
 re-quantized or re-exported model has another one; the same file copied elsewhere keeps it.
@@ -93,16 +98,32 @@ class Profile:
     moe_layers: list     # MoE layer ids, ascending
     tokens: int          # tokens routed
     counts: np.ndarray   # int64 [len(moe_layers), n_expert]: uses of each expert
+    policies: dict | None = None  # {"slots": [...], "hit_rate": {policy: [...]}} (calibrate's replay)
 
     def order(self, layer):
         """The layer's experts, most used first (ties: lower id first)."""
         row = self.counts[self.moe_layers.index(layer)]
         return sorted(range(self.n_expert), key=lambda e: (-int(row[e]), e))
 
+    def choose_policy(self, slots, preferred):
+        """(policy, hit rates at the replayed slot count nearest `slots`) with the highest hit rate
+        there (ties: `preferred` first), or None without a replay."""
+        ranking = self.policies or {}
+        sizes, rates = ranking.get("slots") or [], ranking.get("hit_rate") or {}
+        if not sizes or not rates:
+            return None
+        i = min(range(len(sizes)), key=lambda j: (abs(sizes[j] - slots), sizes[j]))
+        at = {name: row[i] for name, row in rates.items()}
+        best = max(at, key=lambda name: (at[name], name == preferred))
+        return best, sizes[i], at
+
     def to_json(self):
-        return {"format": FORMAT, "version": VERSION, "model": self.model, "n_expert": self.n_expert,
-                "n_expert_used": self.n_expert_used, "moe_layers": self.moe_layers, "tokens": self.tokens,
-                "counts": self.counts.tolist()}
+        doc = {"format": FORMAT, "version": VERSION, "model": self.model, "n_expert": self.n_expert,
+               "n_expert_used": self.n_expert_used, "moe_layers": self.moe_layers, "tokens": self.tokens,
+               "counts": self.counts.tolist()}
+        if self.policies:
+            doc["policies"] = self.policies
+        return doc
 
 
 def default_path(index, identity=None):
@@ -154,7 +175,21 @@ def load_profile(path, index, identity=None):
             or counts.shape != (len(index.moe_layers), index.n_expert)):
         raise ProfileError(f"{path}: its layers or experts do not match {index.path}")
     return Profile(model=data["model"], n_expert=data["n_expert"], n_expert_used=data["n_expert_used"],
-                   moe_layers=data["moe_layers"], tokens=int(data.get("tokens", 0)), counts=counts)
+                   moe_layers=data["moe_layers"], tokens=int(data.get("tokens", 0)), counts=counts,
+                   policies=_policies(data.get("policies"), path))
+
+
+def _policies(ranking, path):
+    """A profile's policy ranking, checked (ProfileError if malformed), or None."""
+    if ranking is None:
+        return None
+    ok = isinstance(ranking, dict) and isinstance(ranking.get("slots"), list) and isinstance(ranking.get("hit_rate"), dict)
+    ok = ok and all(isinstance(n, int) for n in ranking["slots"]) and all(
+        isinstance(row, list) and len(row) == len(ranking["slots"]) and all(isinstance(x, (int, float)) for x in row)
+        for row in ranking["hit_rate"].values())
+    if not ok:
+        raise ProfileError(f"{path}: its policy ranking is malformed: calibrate again")
+    return ranking
 
 
 def resolve(index, moe_profile):
