@@ -11,7 +11,7 @@ most `seconds`. From that run it keeps
     compute ms per token       the phase's wall time minus the time it waited for reads, per
                                token, prompt and decode apart (the graph is the same at any slot
                                count; tracing adds its own small cost, see `trace --overhead`)
-    read GB/s                  bytes the readers read / time reads were in flight (their own rate)
+    read GB/s                  bytes the readers read in decode / time those reads were in flight
     hidden share               of the decode's read time, the part done while the graph computed
 and it probes the drive (O_DIRECT, random expert-sized ranges of the model file, 8 threads, 2 s).
 On a VM whose host caches the disk the probe can read faster or slower than the readers did; the
@@ -44,7 +44,7 @@ from ..planning.sizing import DEFAULT_POLICY
 MEASURE_SLOTS = "25%"  # pools of the measuring run (or the most that fit, if fewer)
 MIN_READ_BYTES = 32 * MiB  # below this the readers' own rate is too noisy: the probe's is used
 FORMAT = "empanel-gguf-fit"
-VERSION = 1
+VERSION = 2  # 2: read_gbps from the decode's reads
 
 
 class FitError(ValueError):
@@ -63,8 +63,8 @@ class Measurement:
     decode_compute_ms: float    # per decode token
     prompt_hidden: float        # share of the prompt's read time hidden behind compute
     decode_hidden: float
-    read_gbps: float | None     # the readers' own rate in the run (None: too little read)
-    read_bytes: int             # bytes the readers read in the run
+    read_gbps: float | None     # the readers' own rate in the run's decode (None: nothing read)
+    read_bytes: int             # bytes the readers read in the run's decode
     drive: dict | None          # the O_DIRECT probe (host.probe_drive), or None
     seconds: float              # wall time of the run
     decode_hit_rate: float | None = None  # the engine's own hit rate over the run's decode
@@ -75,7 +75,7 @@ class Measurement:
     def gbps(self):
         """The read rate predictions use, and where it comes from."""
         if self.read_gbps and self.read_bytes >= MIN_READ_BYTES:
-            return self.read_gbps, "the readers' own rate in the run"
+            return self.read_gbps, "the readers' own rate in the run's decode"
         if self.drive and self.drive.get("gbps"):
             return self.drive["gbps"], "the O_DIRECT probe"
         return 1.0, "no measurement (1 GB/s assumed)"
@@ -167,12 +167,15 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
         llm.close()
     if n_done < n_decode:
         notes.append(f"decoded {n_done} of {n_decode} tokens in the {seconds:.0f} s allowed")
-    zero = dict(wait_s=0.0, read_s=0.0, hits=0, misses=0)
+    zero = dict(wait_s=0.0, read_s=0.0, hits=0, misses=0, io_bytes=0)
     if total is None:  # every expert resident, nothing traced through pools: pure compute
         total = after_prompt = zero
     prompt_ms, prompt_hidden = _phase(None, after_prompt, t1 - t0, len(tokens))
     decode_ms, decode_hidden = _phase(after_prompt, total, t2 - t1, n_done)
-    read_bytes = int(total.get("io_bytes", 0))
+    # the readers' rate in decode (its reads are what the prediction's decode reads; a prompt's
+    # waves read at another depth)
+    read_bytes = int(total.get("io_bytes", 0) - after_prompt.get("io_bytes", 0))
+    read_s = total["read_s"] - after_prompt["read_s"]
     hits, misses = total["hits"] - after_prompt["hits"], total["misses"] - after_prompt["misses"]
     live_hit = hits / (hits + misses) if hits + misses else None
     drive = probe_drive(index, probe_seconds, 256 * 1024, 8) if probe_seconds > 0 else None
@@ -181,7 +184,7 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
     m = Measurement(model=identity, trace_path=str(trace_path), slots=int(slots), n_threads=n_threads,
                     n_prompt=len(tokens), n_decode=n_done, prompt_compute_ms=prompt_ms,
                     decode_compute_ms=decode_ms, prompt_hidden=prompt_hidden, decode_hidden=decode_hidden,
-                    read_gbps=total.get("read_gbps") or None, read_bytes=read_bytes, drive=drive,
+                    read_gbps=read_bytes / read_s / 1e9 if read_s > 0 else None, read_bytes=read_bytes, drive=drive,
                     seconds=t2 - t0, decode_hit_rate=live_hit, when=time.strftime("%Y-%m-%d %H:%M"), notes=notes)
     json_path.write_text(json.dumps({"format": FORMAT, "version": VERSION, **asdict(m)}, indent=1))
     return m
