@@ -8,17 +8,25 @@ against slot pools at top-k and at half the experts, a prompt of 80 token ids (s
 and 8 greedy tokens: logits bit-identical, misses > 0. A crash names its architecture and the
 others still run. Files without routed experts and models stock itself cannot evaluate are
 excluded with their reason, asserted below (EXCLUDED). docs/architectures.md lists the result.
+The MTP architectures are written again with an MTP block: loaded or skipped as llama.cpp does,
+and drafting with it in llama-server (--spec-type draft-mtp) over pools, against stock's drafting.
 """
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import gguf
+import loadgen
+import numpy as np
 import pytest
-from conftest import require_archs_writer
+from conftest import require_archs_writer, require_programs
 
 REPO = Path(__file__).resolve().parent.parent
 N_EXPERT = 8
@@ -198,3 +206,93 @@ def test_pools_planned_for_a_block_llama_cpp_skips_are_named(mtp_models):
     layer = load_index(path).mtp_layers[0]
     assert f"blk.{layer}.ffn_down_exps.weight" in proc.stdout, proc.stdout
     assert "got no pool" in proc.stdout and "not supported" not in proc.stdout, proc.stdout
+
+
+# MTP drafting (llama-server --spec-type draft-mtp) builds its graph for these; the others of
+# mtp_models fail in stock itself, so they cannot be compared
+MTP_DRAFT_ARCHS = ("bailingmoe3", "cohere2moe", "deepseek2", "deepseek32", "glm-dsa", "hy_v3", "qwen35moe",
+                   "qwen3next")
+MTP_DRAFT_FAILS_IN_STOCK = {
+    "glm4moe": "GGML_ASSERT(sections[0] > 0 ...) in rope: the writer's model has no rope sections",
+    "glm5-next": "GLM5-Next NextN graph not implemented yet",
+    "mimo2": "MIMO2 MTP requires fused attn_qkv",
+}
+# a few tokens the narrowed heads favour, so that the MTP head's drafts are sometimes accepted
+HEAD_TOKENS = (10, 20, 30, 40)
+MTP_PROMPT = [1, 5, 9, 17, 33, 2, 7, 40, 60, 3]
+MTP_N_PREDICT = 32
+
+
+def narrow_heads(src, dst):
+    """A copy whose output heads (the trunk's `output.weight` and the MTP block's shared head)
+    score only HEAD_TOKENS: random heads of a random model agree on almost no draft."""
+    shutil.copyfile(src, dst)
+    reader = gguf.GGUFReader(dst, mode="r+")
+    rng = np.random.default_rng(0)
+    heads = [t for t in reader.tensors if t.name == "output.weight" or t.name.endswith("nextn.shared_head_head.weight")]
+    assert len(heads) >= 1 and all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in heads), [
+        (t.name, t.tensor_type) for t in heads]
+    for t in heads:
+        w = t.data  # [n_vocab, n_embd] in numpy order, a view of the file
+        scale = 20.0 * float(np.abs(w).mean())
+        w[:] = 0
+        for row in HEAD_TOKENS:
+            w[row] = rng.standard_normal(w.shape[1]).astype(w.dtype) * scale
+    reader.data.flush()
+    return dst
+
+
+def draft_run(path, moe_slots, log, mtp):
+    """One greedy completion on `empanel-gguf llama-server`: its text, tokens, drafted and accepted
+    counts, and each paged layer's misses and bytes read."""
+    def by_layer(base, series):  # {layer: value} of one per-layer series (none at --moe-slots none)
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        return {int(il): float(v) for il, v in re.findall(rf'^empanel_{series}\{{[^}}]*layer="(\d+)"\}} (\S+)$',
+                                                          metrics, re.M)}
+
+    extra = ("--spec-type", "draft-mtp", "--spec-draft-n-max", "3") if mtp else ()
+    with loadgen.llama_server(str(path), moe_slots, log, *extra) as (base, _):
+        loaded = by_layer(base, "read_bytes_total")  # the load's preload, not the request's
+        status, body = loadgen.post(base, "/completion", json.dumps(
+            {"prompt": MTP_PROMPT, "n_predict": MTP_N_PREDICT, "temperature": 0, "cache_prompt": False}).encode())
+        assert status == 200, body[-2000:]
+        misses = by_layer(base, "expert_misses_total")
+        read = {il: v - loaded.get(il, 0) for il, v in by_layer(base, "read_bytes_total").items()}
+    answer = json.loads(body)
+    timings = answer.get("timings", {})
+    return dict(text=answer["content"], tokens=answer.get("tokens_predicted"), drafted=timings.get("draft_n", 0),
+                accepted=timings.get("draft_n_accepted", 0), misses=misses, read_bytes=read)
+
+
+def test_mtp_drafting_over_pools_equals_stock(mtp_models, tmp_path):
+    """Issue 41: llama-server's MTP drafting (--spec-type draft-mtp) over pools of top-k slots
+    gives stock's text and stock's drafted and accepted counts, the MTP block's experts paged
+    (misses in its layer); without drafting the text is the same (greedy drafts change no answer).
+    EMPANEL_MTP_REPORT=FILE writes each run's numbers (bytes read per token, with and without)."""
+    from empanel_gguf.planning.index import load_index
+
+    require_programs("llama-server")
+    by_arch = {f.name.removesuffix("-moe.gguf"): f for f in mtp_models}
+    assert set(MTP_DRAFT_ARCHS) | set(MTP_DRAFT_FAILS_IN_STOCK) == set(by_arch), sorted(by_arch)
+    report, failed = [], []
+    for arch in MTP_DRAFT_ARCHS:
+        path = narrow_heads(by_arch[arch], tmp_path / f"{arch}-heads.gguf")
+        index = load_index(path, mtp=True)
+        mtp_layer = index.mtp_layers[0]
+        stock = draft_run(path, "none", tmp_path / f"{arch}-stock.log", mtp=True)
+        paged = draft_run(path, str(index.n_expert_used), tmp_path / f"{arch}-paged.log", mtp=True)
+        plain = draft_run(path, str(index.n_expert_used), tmp_path / f"{arch}-plain.log", mtp=False)
+        report.append(dict(arch=arch, mtp_layer=mtp_layer, stock=stock, paged=paged, plain=plain))
+        same = (paged["text"], paged["drafted"], paged["accepted"]) == (stock["text"], stock["drafted"], stock["accepted"])
+        if not same or plain["text"] != stock["text"]:
+            failed.append(f"{arch}: stock {stock}, paged {paged}, without MTP {plain}")
+        elif not (stock["drafted"] > 0 and paged["misses"].get(mtp_layer, 0) > 0 and mtp_layer not in plain["misses"]):
+            failed.append(f"{arch}: no drafts, or the MTP layer {mtp_layer} was not paged: {paged}")
+    out = os.environ.get("EMPANEL_MTP_REPORT")
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+    assert not failed, "\n".join(failed)
+    # the narrowed heads make drafts accepted on most architectures: the test would catch drafts
+    # that stock accepts and the pools do not
+    assert sum(r["stock"]["accepted"] > 0 for r in report) >= 4, [(r["arch"], r["stock"]["accepted"]) for r in report]
