@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from empanel_gguf.lab.policies import (ARC, GLRU, LFU, LRU, SLRU, Belady, CapacityError, LFUDecay,
+from empanel_gguf.lab.policies import (ARC, GLRFU, GLRU, LFU, LRFU, LRU, SLRU, Belady, CapacityError, LFUDecay,
                                    make_policy)
 from empanel_gguf.lab.replay import build_calls, replay
 from empanel_gguf.lab.trace import Trace
@@ -168,6 +168,43 @@ def test_glru_never_evicts_the_current_call_and_the_budget_yields():
 
 
 # ------------------------------------------------------------------------------------------------
+# lrfu and g-lrfu (lab only): use counts decayed continuously
+
+
+def test_lrfu_keeps_the_recent_expert_that_lfu_evicts():
+    # 2 slots, half-life 4 x 2 = 8 calls. c1-c6 [0], c7-c10 [1], c11 [2], c12 [1].
+    # At c11 expert 0 scores sum_{t=1..6} 2^-((11-t)/8) = 3.17 and expert 1 sum_{t=7..10} = 3.24:
+    # 0 goes, so c12 is a hit: hits c2-c6, c8-c10, c12 = 9, misses c1 c7 c11 = 3.
+    # LFU counts 6 uses against 4: 1 goes, and c12 misses.
+    calls = [[0]] * 6 + [[1]] * 4 + [[2], [1]]
+    p = LRFU(2)
+    assert run(p, calls) == (9, 3) and resident(p) == {1, 2}
+    assert run(LFU(2), calls) == (8, 4)
+
+
+def test_glrfu_evicts_the_lowest_decayed_count_of_any_layer():
+    # layers A=0, B=1 of 100 bytes, N=2, top-1: budget 400 bytes, a pool of 4; half-life
+    # 2 tokens x 2 slots x 2 layers = 8 calls. A[0] x3 (t1-t3), B[0] (t4), B[1] (t5), A[1] (t6):
+    # 400 bytes. A[2] (t7): A0 scores 2^-(6/8) + 2^-(5/8) + 2^-(4/8) = 1.95, B0 0.77, B1 0.84,
+    # A1 0.92: B0 goes (g-lru takes the least recent, A0). A[0] (t8): a hit (g-lru: a miss).
+    calls = [(0, [0])] * 3 + [(1, [0]), (1, [1]), (0, [1]), (0, [2]), (0, [0])]
+    p = GLRFU(2, {0: 100, 1: 100}, n_expert=8, n_expert_used=1)
+    assert p.capacity() == 4
+    assert run(p, calls) == (3, 5)
+    assert resident(p, 0) == {0, 1, 2} and resident(p, 1) == {1}
+    assert run(GLRU(2, {0: 100, 1: 100}, n_expert=8, n_expert_used=1), calls) == (2, 6)
+
+
+def test_lrfu_scores_survive_a_long_trace():
+    # the scaled scores are rescaled before they overflow: 50 000 calls of one slot and two
+    # experts in turn, then the same again: every call a miss, nothing infinite or lost
+    p = LRFU(1)
+    assert run(p, [[i % 2] for i in range(50_000)]) == (0, 50_000)
+    counts = p.state(0)[1]
+    assert all(math.isfinite(v) for v in counts.score.values()) and counts.unit < 1e200
+
+
+# ------------------------------------------------------------------------------------------------
 # Belady
 
 
@@ -245,7 +282,7 @@ def test_invariants_and_belady_bound_on_random_calls(seed):
     for slots in (3, 5, 8):
         belady = run(Belady(slots), calls)
         assert sum(belady) == accesses
-        for cls in (LRU, LFU, LFUDecay, SLRU, ARC):
+        for cls in (LRU, LFU, LFUDecay, SLRU, ARC, LRFU):
             p = cls(slots)
             hits, misses = run(p, calls)
             assert hits + misses == accesses

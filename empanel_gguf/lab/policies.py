@@ -25,6 +25,8 @@ Lab policies (expert granularity):
     SLRU       segmented LRU: new experts enter a probation segment, a hit promotes to a protected
                segment (80 % of the slots); evictions take probation's LRU first.
     ARC        adaptive replacement cache (Megiddo & Modha 2003) with its ghost lists.
+    LRFU       per layer, the lowest use count decayed continuously (LRFU_HALF_LIFE).
+    GLRFU      g-lru's one budget across layers, evicting the lowest decayed count of any layer.
     Belady     the offline optimum: evict the resident expert whose next use is furthest in the
                future. It needs the future: prepare(calls) first, then access() in that order.
 """
@@ -419,17 +421,126 @@ class Belady(_PerLayer):
         return hits, len(misses)
 
 
-LAB_POLICIES = ("lru", "g-lru", "lfu", "lfu-decay", "slru", "arc", "belady")  # what the lab replays
+class _Decayed:
+    """Decayed use counts: score = sum over uses of 2^(-age / half_life), age in clock ticks. Kept
+    scaled by 2^(t / half_life) so that scores of different ages compare without decaying each
+    one (the common factor 2^(-now / half_life) cancels); rescaled before it overflows."""
+
+    def __init__(self, half_life):
+        self.half_life = float(half_life)
+        self.t = 0
+        self.score = {}  # key -> scaled score
+        self.last = {}   # key -> tick of its last use
+        self.unit = 1.0  # 2^(t / half_life) / the rescales so far
+
+    def tick(self):
+        self.t += 1
+        self.unit *= 2.0 ** (1.0 / self.half_life)
+        if self.unit > 1e200:
+            for key in self.score:
+                self.score[key] /= self.unit
+            self.unit = 1.0
+
+    def use(self, key):
+        self.score[key] = self.score.get(key, 0.0) + self.unit
+        self.last[key] = self.t
+
+    def victim(self, keys):
+        """The lowest score, ties to the least recent use, then the lowest key."""
+        return min(keys, key=lambda k: (self.score.get(k, 0.0), self.last.get(k, -1), k))
+
+
+LRFU_HALF_LIFE = 4    # lrfu: half-life in the layer's calls, times its slots
+GLRFU_HALF_LIFE = 2   # g-lrfu: half-life in tokens, times the slots per layer
+
+
+class LRFU(_PerLayer):
+    """Lab only: per layer, the lowest use count decayed continuously (half-life LRFU_HALF_LIFE x
+    slots of the layer's calls), where lfu-decay halves every count each n_slots calls."""
+
+    name = "lrfu"
+
+    def new_layer(self):
+        return set(), _Decayed(LRFU_HALF_LIFE * self.slots)
+
+    def resident(self, layer):
+        return set(self.state(layer)[0])
+
+    def access(self, layer, experts):
+        experts = self._distinct(experts)
+        self._check(layer, experts)
+        held, counts = self.state(layer)
+        counts.tick()
+        misses = [e for e in experts if e not in held]
+        for e in experts:
+            counts.use(e)
+        now = set(experts)
+        for e in misses:
+            if len(held) >= self.slots:
+                held.discard(counts.victim(held - now))
+            held.add(e)
+        return len(experts) - len(misses), len(misses)
+
+
+class GLRFU(Policy):
+    """Lab only: one budget for all layers (slots x the bytes of one expert of every layer, as
+    g-lru) with decayed use counts per (layer, expert) on one clock of every call (half-life
+    GLRFU_HALF_LIFE x slots tokens); each layer's pool as sizing.pool_slots under g-lru."""
+
+    name = "g-lrfu"
+
+    def __init__(self, slots, expert_bytes, n_expert, n_expert_used):
+        super().__init__(slots)
+        self.expert_bytes = dict(expert_bytes)
+        self.budget = slots * sum(self.expert_bytes.values())
+        self.n_slots = pool_slots("g-lru", slots, n_expert, n_expert_used)
+        self.counts = _Decayed(GLRFU_HALF_LIFE * slots * len(self.expert_bytes))
+        self.held = {layer: set() for layer in self.expert_bytes}
+        self.bytes = 0
+
+    def capacity(self, layer=None):
+        return self.n_slots
+
+    def resident(self, layer):
+        return set(self.held.get(layer, ()))
+
+    def _evict(self, keys):
+        layer, e = self.counts.victim(keys)
+        self.held[layer].discard(e)
+        self.bytes -= self.expert_bytes[layer]
+
+    def access(self, layer, experts):
+        experts = self._distinct(experts)
+        self._check(layer, experts)
+        if layer not in self.held:
+            raise ValueError(f"g-lrfu: layer {layer!r} has no expert size (expert_bytes)")
+        held, size = self.held[layer], self.expert_bytes[layer]
+        self.counts.tick()
+        misses = [e for e in experts if e not in held]
+        for e in experts:
+            self.counts.use((layer, e))
+        now = set(experts)
+        for e in misses:
+            if len(held) >= self.n_slots:  # the layer's pool is full: one of its own goes
+                self._evict({(layer, x) for x in held - now})
+            while self.bytes + size > self.budget:
+                self._evict({(il, x) for il, xs in self.held.items() for x in xs if il != layer or x not in now})
+            held.add(e)
+            self.bytes += size
+        return len(experts) - len(misses), len(misses)
+
+
+LAB_POLICIES = ("lru", "g-lru", "lfu", "lfu-decay", "slru", "arc", "lrfu", "g-lrfu", "belady")  # what the lab replays
 
 
 def make_policy(name, slots, *, expert_bytes=None, n_expert=None, n_expert_used=None):
     """A policy by name at `slots` per layer (g-lru: its budget equivalent; needs the trace's
     expert_bytes, n_expert and n_expert_used)."""
-    if name == "g-lru":
-        return GLRU(slots, expert_bytes, n_expert, n_expert_used)
+    if name in ("g-lru", "g-lrfu"):
+        return {"g-lru": GLRU, "g-lrfu": GLRFU}[name](slots, expert_bytes, n_expert, n_expert_used)
     if name in ("lru", "lfu-decay"):
         return {"lru": LRU, "lfu-decay": LFUDecay}[name](slots, n_expert)
-    classes = {"lru": LRU, "lfu": LFU, "lfu-decay": LFUDecay, "slru": SLRU, "arc": ARC,
+    classes = {"lru": LRU, "lfu": LFU, "lfu-decay": LFUDecay, "slru": SLRU, "arc": ARC, "lrfu": LRFU,
                "belady": Belady}
     if name not in classes:
         raise ValueError(f"unknown policy {name!r}: one of {', '.join(LAB_POLICIES)}")

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from ..planning.format import format_bytes
 from ..engine.header import ENGINE_POLICIES
 from .policies import LAB_POLICIES, make_policy
-from ..planning.sizing import GLRU_HEADROOM, pool_slots
+from ..planning.sizing import GLRU_HEADROOM
 
 
 @dataclass
@@ -164,7 +164,9 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
     results = []
     for name in policies:
         for slots in sizes:
-            capacity = pool_slots(name, slots, trace.n_expert, k)
+            policy = make_policy(name, slots, expert_bytes=expert_bytes, n_expert=trace.n_expert,
+                                 n_expert_used=k)
+            capacity = policy.capacity()
             # the engine's policies run a call larger than the pool in waves, as the engine
             # does; the lab's own policies take calls that fit: larger ones are split
             max_tokens = None if name in ENGINE_POLICIES else max(1, capacity // k)
@@ -173,8 +175,6 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
             if max_tokens not in cache:
                 cache[max_tokens] = build_calls(trace, max_tokens, count)
             calls, n_split = cache[max_tokens]
-            policy = make_policy(name, slots, expert_bytes=expert_bytes, n_expert=trace.n_expert,
-                                 n_expert_used=k)
             counted, warm, layers = run_policy(policy, calls, expert_bytes)
             per_token = counted["missed_bytes"] / n_counted if n_counted else 0.0
             results.append(dict(
@@ -258,7 +258,7 @@ def format_report(report, path=None):
         lines.append(f"{r['policy']:<10} {slots:>5} {100 * r['hit_rate']:>7.1f}% "
                      f"{format_bytes(r['missed_bytes_per_token']):>13} {ceiling:>20}")
     if any(r["capacity"] != r["slots"] for r in report["results"]):
-        lines.append(f"* g-lru: a budget of that many slots per layer, shared; a layer holds up to "
+        lines.append(f"* g-lru, g-lrfu: a budget of that many slots per layer, shared; a layer holds up to "
                      f"min(n_expert, max({GLRU_HEADROOM}N, N + top-k))")
     split = {r["n_split_ubatches"] for r in report["results"] if r["n_split_ubatches"]}
     if split:
