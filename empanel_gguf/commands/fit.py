@@ -30,7 +30,7 @@ def setup_arg_parser():
     parser.add_argument("-t", "--threads", type=int, default=None, help="threads of the measuring run (default: llama-cpp-python's)")
     parser.add_argument("--seconds", type=float, default=120.0, help="at most this long for the measuring run (default: 120)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens of the measuring run, one micro-batch (default: 512, as llama.cpp's)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens it decodes (default: 32)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens it decodes at least, in segments of 16 after paragraphs of the text, and more (up to 256) until its readers have read 32 MiB (default: 32)")
     parser.add_argument("--fresh", action="store_true", help="measure again (ignore the saved measurement)")
     parser.add_argument("--json", action="store_true", help="print the measurement and the rows as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of decode t/s and hit rate vs memory (needs matplotlib)")

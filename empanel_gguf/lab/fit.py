@@ -5,8 +5,10 @@
     rows = predict(m, budgets=[4 << 30, 8 << 30])
 
 measure() runs the model once on a built-in text with pools of a quarter of the experts (or what
-fits now, if less), with the routing traced: n_prompt prompt tokens in one evaluation, then up to n_decode greedy tokens, for at
-most `seconds`. From that run it keeps
+fits now, if less), with the routing traced: n_prompt prompt tokens in one evaluation, then
+n_decode greedy tokens or more (up to MAX_DECODE, while the readers have read less than
+MIN_READ_BYTES) in segments of DECODE_SEGMENT, each after a paragraph of the text, for at most
+`seconds`. From that run it keeps
     the routing trace          replayed at every budget's slot count (lab/replay.py)
     compute ms per token       the phase's wall time minus the time it waited for reads, per
                                token, prompt and decode apart (the graph is the same at any slot
@@ -43,8 +45,12 @@ from ..planning.sizing import DEFAULT_POLICY
 
 MEASURE_SLOTS = "25%"  # pools of the measuring run (or the most that fit, if fewer)
 MIN_READ_BYTES = 32 * MiB  # below this the readers' own rate is too noisy: the probe's is used
+MAX_DECODE = 256  # tokens the measuring run decodes at most to read MIN_READ_BYTES
+DECODE_SEGMENT = 16  # tokens decoded after each paragraph of the text
+DECODE_PROMPT = 64  # prompt tokens of each paragraph before its segment
+ZERO = dict(wait_s=0.0, read_s=0.0, hits=0, misses=0, io_bytes=0)  # moe_stats() totals counted
 FORMAT = "empanel-gguf-fit"
-VERSION = 2  # 2: read_gbps from the decode's reads
+VERSION = 3  # 2: read_gbps from the decode's reads; 3: decode until MIN_READ_BYTES
 
 
 class FitError(ValueError):
@@ -125,7 +131,8 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
         except (OSError, ValueError, TypeError):
             pass  # measured again below
     say = log or (lambda _: None)
-    n_ctx = max(64, min(n_prompt + n_decode + 8, model_shape(index).n_ctx_train or 4096))
+    n_decode_max = max(n_decode, MAX_DECODE)
+    n_ctx = max(DECODE_PROMPT + DECODE_SEGMENT + 8, min(n_prompt + DECODE_SEGMENT + 8, model_shape(index).n_ctx_train or 4096))
     # pools that page (a quarter of the experts, or what fits if less): the run reads, so it measures
     # the readers' rate and the overlap as well as the compute
     from ..planning.guard import MemoryRefused
@@ -144,39 +151,51 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
         slots = plan.min_slots if plan is not None else index.n_expert
         rec = Recorder(llm)
         tokens = llm.tokenize((text if text is not None else DEFAULT_TEXT).encode("utf-8"))
-        n_prompt = max(1, min(n_prompt, n_ctx - n_decode - 1))  # (a short training context: decode still fits)
+        n_prompt = max(1, min(n_prompt, n_ctx - DECODE_SEGMENT - 1))  # (a short training context)
         tokens = (tokens * (1 + n_prompt // max(1, len(tokens))))[:n_prompt]
         say(f"fit: measuring {Path(model_path).name} at {slots} slots per layer: {len(tokens)} prompt tokens, "
-            f"up to {n_decode} decoded (at most {seconds:.0f} s)")
+            f"then {n_decode} or more decoded in segments of {DECODE_SEGMENT} (at most {seconds:.0f} s)")
         t0 = time.perf_counter()
         rec.prompt(tokens)
         t1 = time.perf_counter()
-        after_prompt = (llm.moe_stats() or {}).get("total")
-        n_done = 0
+        after_prompt = (llm.moe_stats() or {}).get("total") or dict(ZERO)
+        # decode in segments of DECODE_SEGMENT tokens: the first after the prompt, each next one
+        # after a paragraph of the text of its own (the context cut back, the pools kept), so that
+        # one continuation (a small model's greedy loop) does not make the hit rate: n_decode
+        # tokens, and more (up to n_decode_max) while the readers have read less than
+        # MIN_READ_BYTES, within `seconds`
+        paragraphs = [p for p in (text if text is not None else DEFAULT_TEXT).split("\n\n") if p.strip()]
+        decode = dict(ZERO, wall=0.0)
+        n_done, segment = 0, 0
         deadline = t0 + seconds
-        while n_done < n_decode and time.perf_counter() < deadline:
-            step = rec.generate(min(8, n_decode - n_done), stop_at_eog=False)
+        while time.perf_counter() < deadline and (
+                n_done < n_decode or (n_done < n_decode_max and decode["io_bytes"] < MIN_READ_BYTES)):
+            if segment > 0:
+                head = llm.tokenize(paragraphs[segment % len(paragraphs)].encode("utf-8"))
+                rec.prompt_to(head[:max(1, min(DECODE_PROMPT, n_ctx - DECODE_SEGMENT - 8))])
+            before, t_seg = (llm.moe_stats() or {}).get("total") or dict(ZERO), time.perf_counter()
+            room = n_ctx - llm.n_tokens - 1
+            step = rec.generate(max(0, min(DECODE_SEGMENT, n_decode_max - n_done, room)), stop_at_eog=False)
+            decode["wall"] += time.perf_counter() - t_seg
+            after = (llm.moe_stats() or {}).get("total") or dict(ZERO)
+            for key in ZERO:
+                decode[key] += after[key] - before[key]
             n_done += len(step)
+            segment += 1
             if not step:
-                break  # a full context
-        t2 = time.perf_counter()
-        total = (llm.moe_stats() or {}).get("total")
+                break  # nothing left to decode (a full context)
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         rec.save(trace_path)
     finally:
         llm.close()
     if n_done < n_decode:
         notes.append(f"decoded {n_done} of {n_decode} tokens in the {seconds:.0f} s allowed")
-    zero = dict(wait_s=0.0, read_s=0.0, hits=0, misses=0, io_bytes=0)
-    if total is None:  # every expert resident, nothing traced through pools: pure compute
-        total = after_prompt = zero
     prompt_ms, prompt_hidden = _phase(None, after_prompt, t1 - t0, len(tokens))
-    decode_ms, decode_hidden = _phase(after_prompt, total, t2 - t1, n_done)
+    decode_ms, decode_hidden = _phase(dict(ZERO), decode, decode["wall"], n_done)
     # the readers' rate in decode (its reads are what the prediction's decode reads; a prompt's
     # waves read at another depth)
-    read_bytes = int(total.get("io_bytes", 0) - after_prompt.get("io_bytes", 0))
-    read_s = total["read_s"] - after_prompt["read_s"]
-    hits, misses = total["hits"] - after_prompt["hits"], total["misses"] - after_prompt["misses"]
+    read_bytes, read_s = int(decode["io_bytes"]), decode["read_s"]
+    hits, misses = decode["hits"], decode["misses"]
     live_hit = hits / (hits + misses) if hits + misses else None
     drive = probe_drive(index, probe_seconds, 256 * 1024, 8) if probe_seconds > 0 else None
     if drive is None and probe_seconds > 0:
@@ -185,7 +204,8 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
                     n_prompt=len(tokens), n_decode=n_done, prompt_compute_ms=prompt_ms,
                     decode_compute_ms=decode_ms, prompt_hidden=prompt_hidden, decode_hidden=decode_hidden,
                     read_gbps=read_bytes / read_s / 1e9 if read_s > 0 else None, read_bytes=read_bytes, drive=drive,
-                    seconds=t2 - t0, decode_hit_rate=live_hit, when=time.strftime("%Y-%m-%d %H:%M"), notes=notes)
+                    seconds=time.perf_counter() - t0, decode_hit_rate=live_hit, when=time.strftime("%Y-%m-%d %H:%M"),
+                    notes=notes)
     json_path.write_text(json.dumps({"format": FORMAT, "version": VERSION, **asdict(m)}, indent=1))
     return m
 
