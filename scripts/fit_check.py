@@ -32,10 +32,11 @@ llm = Llama(model, moe_slots=int(slots), n_threads=int(threads), n_ctx=n_prompt 
 tokens = llm.tokenize(open(path, encoding="utf-8").read().encode())[:n_prompt]
 gen = llm.generate(tokens, temp=0.0, reset=True)
 next(gen)  # the prompt evaluated, its first token sampled
-before, t0 = llm.moe_stats()["total"], time.perf_counter()
+none = {"total": {"hits": 0, "misses": 0}}  # (pools that hold every expert: no statistics)
+before, t0 = (llm.moe_stats() or none)["total"], time.perf_counter()
 for _ in range(n_gen - 1):
     next(gen)
-wall, after = time.perf_counter() - t0, llm.moe_stats()["total"]
+wall, after = time.perf_counter() - t0, (llm.moe_stats() or none)["total"]
 hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
 print(json.dumps(dict(decode_tps=(n_gen - 1) / wall, decode_hit=hits / max(1, hits + misses))))
 llm.close()

@@ -69,7 +69,7 @@ def main():
                       for name in policies if name not in ENGINE_POLICIES and name != "belady"}
             rows.append(dict(kind=kind, share=share, slots=sorted(slots_of[share]), hit_rate=rate,
                              best_engine=best, gap_closed=closes,
-                             calls=sum(sums[share, policies[0]])))
+                             accesses=sum(sums[share, policies[0]])))
 
     lab = [name for name in policies if name not in ENGINE_POLICIES and name != "belady"]
     print("| kind | slots | " + " | ".join(policies) + " | best engine | " +

@@ -54,10 +54,11 @@ def test_fit_json_rows_follow_memory_and_are_saved(tmp_path):
     assert paged and all(0 <= r["hit_rate"] < 1 and r["read_per_token"] > 0 for r in paged)
     assert [r["decode_tps"] for r in rows] == sorted(r["decode_tps"] for r in rows)
     # the measuring run: pools of a quarter of the experts, its decode counted; it decodes past
-    # its 32 tokens (in segments of 16) until the readers have read enough for their own rate, which
+    # its 32 tokens (in segments after paragraphs) until the readers have read enough for their own rate, which
     # the prediction then takes rather than the drive probe's bulk rate
     assert m["slots"] == -(-index.n_expert // 4) and m["decode_compute_ms"] > 0
-    assert 32 <= m["n_decode"] <= MAX_DECODE and m["n_decode"] % 8 == 0, m["n_decode"]
+    # (the built-in model reads 32 MiB in about 64 tokens, well within the run's 120 s)
+    assert 32 <= m["n_decode"] <= MAX_DECODE, m["n_decode"]
     assert m["read_bytes"] >= MIN_READ_BYTES and report["read_gbps_used"] == m["read_gbps"] > 0, m
     # saved: a second fit measures nothing and predicts the same
     again = _fit(model, "-t", "2", "--json", cache=tmp_path / "c")

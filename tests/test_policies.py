@@ -196,12 +196,24 @@ def test_glrfu_evicts_the_lowest_decayed_count_of_any_layer():
 
 
 def test_lrfu_scores_survive_a_long_trace():
-    # the scaled scores are rescaled before they overflow: 50 000 calls of one slot and two
-    # experts in turn, then the same again: every call a miss, nothing infinite or lost
-    p = LRFU(1)
-    assert run(p, [[i % 2] for i in range(50_000)]) == (0, 50_000)
+    # the scaled scores are rescaled before they overflow (half-life 8 calls: 2^(1/8) a call,
+    # past 1e200 every ~5300 calls): 50 000 calls alternating experts 0 and 1 in 2 slots, then
+    # [2], which must evict 0 (last used a call before 1), then [1] a hit and [0] a miss that
+    # evicts 2 (one use against 1's many): the victims still follow the scores after the rescales
+    p = LRFU(2)
+    assert run(p, [[i % 2] for i in range(50_000)]) == (49_998, 2)
+    assert run(p, [[2], [1], [0]]) == (1, 2) and resident(p) == {0, 1}
     counts = p.state(0)[1]
-    assert all(math.isfinite(v) for v in counts.score.values()) and counts.unit < 1e200
+    assert counts.t == 50_003 and counts.unit < 1e200
+    assert all(math.isfinite(v) and v > 0 for v in counts.score.values())
+
+
+def test_glrfu_never_evicts_the_current_call_and_the_budget_yields():
+    # as g-lru: one layer of 100 bytes, N=1, top-2: budget 100, a pool of 3. [0, 1] holds 200
+    # bytes (both this call's); [2] evicts until it fits: both go
+    p = GLRFU(1, {0: 100}, n_expert=8, n_expert_used=2)
+    assert p.access(0, [0, 1]) == (0, 2) and p.bytes == 200
+    assert p.access(0, [2]) == (0, 1) and p.bytes == 100 and resident(p) == {2}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,6 +307,17 @@ def test_invariants_and_belady_bound_on_random_calls(seed):
             elif isinstance(p, SLRU):
                 for probation, protected in p.layers.values():
                     assert len(probation) + len(protected) <= slots
+        # g-lrfu (one budget for the layers): within its budget after every call, each layer
+        # within its pool
+        layers = sorted({lay for lay, _ in calls})
+        g = GLRFU(slots, {lay: 100 for lay in layers}, n_expert=12, n_expert_used=1)
+        for lay, experts in calls:
+            if len(experts) > g.capacity():
+                continue
+            h, m = g.access(lay, experts)
+            assert h + m == len(experts)
+            assert g.bytes == 100 * sum(len(g.resident(x)) for x in layers)
+            assert g.bytes <= max(g.budget, 100 * len(experts)) and len(g.resident(lay)) <= g.capacity()
         # every policy with as many slots as experts misses only the first use of each
         assert run(make_policy("arc", 12), calls)[1] == len({(il, e) for il, es in calls for e in es})
 

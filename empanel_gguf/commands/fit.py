@@ -17,6 +17,13 @@ from pathlib import Path
 from .options import command_parser
 
 
+def _decode_help():
+    from ..lab.fit import DECODE_SEGMENT, MAX_DECODE, MIN_READ_BYTES
+
+    return (f"tokens it decodes at least, in segments of {DECODE_SEGMENT} after paragraphs of the text, and "
+            f"more (up to {MAX_DECODE}) until its readers have read {MIN_READ_BYTES >> 20} MiB (default: 32)")
+
+
 def setup_arg_parser():
     from ..planning.sizing import DEFAULT_POLICY
 
@@ -30,7 +37,7 @@ def setup_arg_parser():
     parser.add_argument("-t", "--threads", type=int, default=None, help="threads of the measuring run (default: llama-cpp-python's)")
     parser.add_argument("--seconds", type=float, default=120.0, help="at most this long for the measuring run (default: 120)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt tokens of the measuring run, one micro-batch (default: 512, as llama.cpp's)")
-    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens it decodes at least, in segments of 16 after paragraphs of the text, and more (up to 256) until its readers have read 32 MiB (default: 32)")
+    parser.add_argument("--decode-tokens", type=int, default=32, help=_decode_help())
     parser.add_argument("--fresh", action="store_true", help="measure again (ignore the saved measurement)")
     parser.add_argument("--json", action="store_true", help="print the measurement and the rows as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of decode t/s and hit rate vs memory (needs matplotlib)")

@@ -2,11 +2,11 @@
 
 Runs a routing trace (`empanel-gguf trace`) through expert-cache policies at several cache sizes:
 per-layer LRU, shared-budget LRU (g-lru), LFU, LFU with decay, SLRU, ARC, LRFU (decayed counts,
-per layer and shared: g-lrfu) and Belady's optimal bound. Prompt tokens warm the cache, decode tokens count. Prints per policy and size the hit
-rate, the bytes of missed experts per token (from the model's index, stored in the trace) and the
-decode speed a drive of --gbps GB/s could sustain reading them (the drive-bound ceiling). lru,
-lfu-decay and g-lru are the engine's own policies, replayed exactly: a trace recorded with slots
-is checked against the engine's live counts.
+per layer and shared: g-lrfu) and Belady's optimal bound. Prompt tokens warm the cache, decode
+tokens count. Prints per policy and size the hit rate, the bytes of missed experts per token (from
+the model's index, stored in the trace) and the decode speed a drive of --gbps GB/s could sustain
+reading them (the drive-bound ceiling). lru, lfu-decay and g-lru are the engine's own policies,
+replayed exactly: a trace recorded with slots is checked against the engine's live counts.
 
 Sizes are slots per MoE layer, as Llama's moe_slots: counts (8,16), shares of the experts
 (10%,25%), budgets (2GiB), or `recorded`; g-lru takes each as its shared-budget equivalent.

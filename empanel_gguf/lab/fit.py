@@ -37,8 +37,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from ..planning.format import GiB, MiB
 from ..planning.sizing import DEFAULT_POLICY
@@ -132,7 +134,8 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
             pass  # measured again below
     say = log or (lambda _: None)
     n_decode_max = max(n_decode, MAX_DECODE)
-    n_ctx = max(DECODE_PROMPT + DECODE_SEGMENT + 8, min(n_prompt + DECODE_SEGMENT + 8, model_shape(index).n_ctx_train or 4096))
+    n_ctx_train = model_shape(index).n_ctx_train or 4096
+    n_ctx = max(DECODE_PROMPT + DECODE_SEGMENT + 8, min(n_prompt + DECODE_SEGMENT + 8, n_ctx_train))
     # pools that page (a quarter of the experts, or what fits if less): the run reads, so it measures
     # the readers' rate and the overlap as well as the compute
     from ..planning.guard import MemoryRefused
@@ -164,14 +167,17 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
         # one continuation (a small model's greedy loop) does not make the hit rate: n_decode
         # tokens, and more (up to n_decode_max) while the readers have read less than
         # MIN_READ_BYTES, within `seconds`
+        # (one segment per paragraph: a paragraph again would decode the same greedy tokens; the
+        # first paragraph opens the prompt, so the segments after it take the others)
         paragraphs = [p for p in (text if text is not None else DEFAULT_TEXT).split("\n\n") if p.strip()]
+        read_more = slots < index.n_expert  # pools that hold every expert read nothing
         decode = dict(ZERO, wall=0.0)
         n_done, segment = 0, 0
         deadline = t0 + seconds
-        while time.perf_counter() < deadline and (
-                n_done < n_decode or (n_done < n_decode_max and decode["io_bytes"] < MIN_READ_BYTES)):
+        while time.perf_counter() < deadline and segment < max(1, len(paragraphs)) and (
+                n_done < n_decode or (read_more and n_done < n_decode_max and decode["io_bytes"] < MIN_READ_BYTES)):
             if segment > 0:
-                head = llm.tokenize(paragraphs[segment % len(paragraphs)].encode("utf-8"))
+                head = llm.tokenize(paragraphs[segment].encode("utf-8"))
                 rec.prompt_to(head[:max(1, min(DECODE_PROMPT, n_ctx - DECODE_SEGMENT - 8))])
             before, t_seg = (llm.moe_stats() or {}).get("total") or dict(ZERO), time.perf_counter()
             room = n_ctx - llm.n_tokens - 1
@@ -184,12 +190,14 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
             segment += 1
             if not step:
                 break  # nothing left to decode (a full context)
+        t_end = time.perf_counter()
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         rec.save(trace_path)
     finally:
         llm.close()
     if n_done < n_decode:
-        notes.append(f"decoded {n_done} of {n_decode} tokens in the {seconds:.0f} s allowed")
+        notes.append(f"decoded {n_done} of {n_decode} tokens: the {seconds:.0f} s allowed ran out, or the "
+                     f"text's paragraphs (one segment of {DECODE_SEGMENT} after each)")
     prompt_ms, prompt_hidden = _phase(None, after_prompt, t1 - t0, len(tokens))
     decode_ms, decode_hidden = _phase(dict(ZERO), decode, decode["wall"], n_done)
     # the readers' rate in decode (its reads are what the prediction's decode reads; a prompt's
@@ -204,7 +212,7 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
                     n_prompt=len(tokens), n_decode=n_done, prompt_compute_ms=prompt_ms,
                     decode_compute_ms=decode_ms, prompt_hidden=prompt_hidden, decode_hidden=decode_hidden,
                     read_gbps=read_bytes / read_s / 1e9 if read_s > 0 else None, read_bytes=read_bytes, drive=drive,
-                    seconds=time.perf_counter() - t0, decode_hit_rate=live_hit, when=time.strftime("%Y-%m-%d %H:%M"),
+                    seconds=t_end - t0, decode_hit_rate=live_hit, when=time.strftime("%Y-%m-%d %H:%M"),
                     notes=notes)
     json_path.write_text(json.dumps({"format": FORMAT, "version": VERSION, **asdict(m)}, indent=1))
     return m
@@ -284,7 +292,7 @@ def predict(m: Measurement, index, budgets, params, policy="auto"):
         else:
             decode = replay(trace, sizes=[slots], policies=[row_policy], count="decode")["results"][0]
             hit, decode_b = decode["hit_rate"], decode["missed_bytes_per_token"]
-            prompt_b = _prompt_read_per_token(trace, slots)
+            prompt_b = _prompt_read_per_token(trace, slots, m.n_prompt)
         row = dict(budget=int(budget), label=label, slots=int(slots), policy=row_policy, peak=int(peak), hit_rate=hit,
                    read_per_token=decode_b, prompt_read_per_token=prompt_b)
         for phase, compute, hidden, nbytes in (("decode", m.decode_compute_ms, m.decode_hidden, decode_b),
@@ -298,16 +306,24 @@ def predict(m: Measurement, index, budgets, params, policy="auto"):
     return rows
 
 
-def _prompt_read_per_token(trace, slots):
-    """Bytes a prompt token reads at `slots` per layer: each prompt micro-batch's layer call reads
-    the experts it routes to beyond the pool's (a long micro-batch touches nearly every expert, so
-    whichever `slots` are resident hit; the pools are full from the load's preload)."""
+def _prompt_read_per_token(trace, slots, n_prompt):
+    """Bytes a prompt token reads at `slots` per layer, from the run's first n_prompt tokens (the
+    prompt that was timed; the decode segments' paragraph heads are left out): each of its
+    micro-batches' layer calls reads the experts it routes to beyond the pool's (a long micro-batch
+    touches nearly every expert, so whichever `slots` are resident hit; the pools are full from
+    the load's preload)."""
     from .replay import build_calls
 
-    calls, _ = build_calls(trace, None, "decode")
+    sizes = np.cumsum(trace.ubatch)
+    k = int(np.searchsorted(sizes, n_prompt, side="right"))  # micro-batches of the first prompt
+    n = int(sizes[k - 1]) if k > 0 else 0
+    first = replace(trace, experts=trace.experts[:n], prompt=trace.prompt[:n], tokens=trace.tokens[:n],
+                    segment=trace.segment[:n], ubatch=trace.ubatch[:k], calls=trace.calls[:k],
+                    guesses=trace.guesses[:n] if trace.guesses is not None else None)
+    calls, _ = build_calls(first, None, "decode")
     expert_bytes = trace.expert_bytes
     missed = sum(max(0, len(c.experts) - slots) * expert_bytes[c.layer] for c in calls if not c.counted)
-    return missed / max(1, trace.n_prompt)
+    return missed / max(1, n)
 
 
 def format_table(m: Measurement, rows, name):

@@ -451,12 +451,14 @@ class _Decayed:
 
 
 LRFU_HALF_LIFE = 4    # lrfu: half-life in the layer's calls, times its slots
-GLRFU_HALF_LIFE = 2   # g-lrfu: half-life in tokens, times the slots per layer
+GLRFU_HALF_LIFE = 2   # g-lrfu: half-life in calls of all layers / n_layers (tokens, at one token per
+                      # call: decode, or replay --ubatch 1), times the slots per layer
 
 
 class LRFU(_PerLayer):
     """Lab only: per layer, the lowest use count decayed continuously (half-life LRFU_HALF_LIFE x
-    slots of the layer's calls), where lfu-decay halves every count each n_slots calls."""
+    slots of the layer's calls), where lfu-decay halves every count each n_slots calls. An
+    evicted expert keeps its decayed count (lfu-decay's counts start again at load)."""
 
     name = "lrfu"
 
@@ -524,7 +526,10 @@ class GLRFU(Policy):
             if len(held) >= self.n_slots:  # the layer's pool is full: one of its own goes
                 self._evict({(layer, x) for x in held - now})
             while self.bytes + size > self.budget:
-                self._evict({(il, x) for il, xs in self.held.items() for x in xs if il != layer or x not in now})
+                others = {(il, x) for il, xs in self.held.items() for x in xs if il != layer or x not in now}
+                if not others:
+                    break  # all that is held is this call's: the budget yields, as g-lru's
+                self._evict(others)
             held.add(e)
             self.bytes += size
         return len(experts) - len(misses), len(misses)
