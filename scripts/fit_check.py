@@ -16,7 +16,6 @@ rate from moe_stats(). bench decodes after random token ids, which a model with 
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -45,11 +44,11 @@ llm.close()
 
 def text_runs(model, slots, threads, path, n_prompt, n_gen, repetitions):
     """(median decode t/s, median decode hit rate) of fresh runs on a text."""
+    from empanel_gguf.lab.bench.host import drop_caches
+
     runs = []
     for _ in range(repetitions):
-        if os.access("/proc/sys/vm/drop_caches", os.W_OK):
-            subprocess.run(["sync"], check=False)
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        drop_caches()
         out = subprocess.run([sys.executable, "-c", TEXT_RUN, model, str(slots), str(threads), path, str(n_prompt),
                               str(n_gen)], capture_output=True, text=True, check=True)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -162,13 +162,12 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
         rec.prompt(tokens)
         t1 = time.perf_counter()
         after_prompt = (llm.moe_stats() or {}).get("total") or dict(ZERO)
-        # decode in segments of DECODE_SEGMENT tokens: the first after the prompt, each next one
-        # after a paragraph of the text of its own (the context cut back, the pools kept), so that
-        # one continuation (a small model's greedy loop) does not make the hit rate: n_decode
-        # tokens, and more (up to n_decode_max) while the readers have read less than
+        # decode in segments of DECODE_SEGMENT tokens, so that one continuation (a small model's
+        # greedy loop) does not make the hit rate: the first after the prompt (which the first
+        # paragraph opens), each next one after another paragraph (the context cut back, the pools
+        # kept; one segment per paragraph, since a paragraph again decodes the same greedy tokens):
+        # n_decode tokens, and more (up to n_decode_max) while the readers have read less than
         # MIN_READ_BYTES, within `seconds`
-        # (one segment per paragraph: a paragraph again would decode the same greedy tokens; the
-        # first paragraph opens the prompt, so the segments after it take the others)
         paragraphs = [p for p in (text if text is not None else DEFAULT_TEXT).split("\n\n") if p.strip()]
         read_more = slots < index.n_expert  # pools that hold every expert read nothing
         decode = dict(ZERO, wall=0.0)

@@ -141,6 +141,13 @@ class LFUDecay(_EnginePolicy):
     name = engine = "lfu-decay"
 
 
+def _shared_budget(slots, expert_bytes, n_expert, n_expert_used):
+    """g-lru's one budget: ({layer: bytes of one expert}, slots x their sum in bytes, the slots
+    of each layer's pool as sizing.pool_slots)."""
+    expert_bytes = dict(expert_bytes)
+    return expert_bytes, slots * sum(expert_bytes.values()), pool_slots("g-lru", slots, n_expert, n_expert_used)
+
+
 class GLRU(_EnginePolicy):
     """One budget for all layers with a global LRU list: the engine's moe_policy="g-lru".
 
@@ -153,9 +160,7 @@ class GLRU(_EnginePolicy):
         super().__init__(slots, n_expert)
         from ..engine.pools import LabPool
 
-        self.expert_bytes = dict(expert_bytes)
-        self.budget = slots * sum(self.expert_bytes.values())
-        self.n_slots = pool_slots("g-lru", slots, n_expert, n_expert_used)
+        self.expert_bytes, self.budget, self.n_slots = _shared_budget(slots, expert_bytes, n_expert, n_expert_used)
         n_layer = max(self.expert_bytes) + 1
         self.shared = LabPool("g-lru", [self.n_slots if il in self.expert_bytes else 0 for il in range(n_layer)],
                               n_expert, [self.expert_bytes.get(il, 0) for il in range(n_layer)], self.budget)
@@ -493,9 +498,7 @@ class GLRFU(Policy):
 
     def __init__(self, slots, expert_bytes, n_expert, n_expert_used):
         super().__init__(slots)
-        self.expert_bytes = dict(expert_bytes)
-        self.budget = slots * sum(self.expert_bytes.values())
-        self.n_slots = pool_slots("g-lru", slots, n_expert, n_expert_used)
+        self.expert_bytes, self.budget, self.n_slots = _shared_budget(slots, expert_bytes, n_expert, n_expert_used)
         self.counts = _Decayed(GLRFU_HALF_LIFE * slots * len(self.expert_bytes))
         self.held = {layer: set() for layer in self.expert_bytes}
         self.bytes = 0
