@@ -2,7 +2,11 @@
 // as jobs (expert x tensor) cut into chunks, posted to the reader threads (reader.c), waited for
 // and accounted for. A batch may stay in flight while the graph computes (the next wave's
 // experts, a layer's overlapped reads, a read-ahead): empanel_batch_post* starts it,
-// empanel_batch_finish waits for it; at most one is in flight.
+// empanel_batch_finish_lane waits for it. Each lane holds one batch at most (enum empanel_lane):
+// the demand lane a remap's reads, the read-ahead lane a guess's. Both are in flight at once only
+// where empanel_batch_beside allows it (plain host pools that nothing else evicts from):
+// there the reader takes the demand lane's chunks first, and a layer's reads never wait for a
+// read-ahead to close, nor a read-ahead for the layer computing now.
 
 #include "empanel-impl.h"
 
@@ -49,37 +53,39 @@ static int remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * 
 }
 
 void empanel_batch_staging_free(struct empanel_pool * pool) {
-    if (pool->batch.staging != NULL) {
-        if (pool->batch.staging_buffer != NULL) {
-            empanel_host_buffer_free(pool->batch.staging_buffer);
+    struct empanel_staging * st = &pool->staging;
+    if (st->data != NULL) {
+        if (st->buffer != NULL) {
+            empanel_host_buffer_free(st->buffer);
         } else {
-            free(pool->batch.staging);
+            free(st->data);
         }
     }
-    pool->batch.staging        = NULL;
-    pool->batch.staging_buffer = NULL;
-    pool->batch.staging_size   = 0;
+    st->data   = NULL;
+    st->buffer = NULL;
+    st->size   = 0;
 }
 
-static int reserve(struct empanel_pool * pool, int32_t n_jobs, int32_t n_chunks, uint64_t staging) {
-    if (n_jobs > pool->batch.jobs_cap) {
-        void * p = realloc(pool->batch.jobs, sizeof(*pool->batch.jobs) * n_jobs);
+static int reserve(struct empanel_pool * pool, struct empanel_batch * batch, int32_t n_jobs, int32_t n_chunks,
+                   uint64_t staging) {
+    if (n_jobs > batch->jobs_cap) {
+        void * p = realloc(batch->jobs, sizeof(*batch->jobs) * n_jobs);
         if (p == NULL) { return -1; }
-        pool->batch.jobs     = p;
-        pool->batch.jobs_cap = n_jobs;
+        batch->jobs     = p;
+        batch->jobs_cap = n_jobs;
     }
-    if (n_chunks > pool->batch.chunks_cap) {
-        void * p = realloc(pool->batch.chunks, sizeof(*pool->batch.chunks) * n_chunks);
+    if (n_chunks > batch->chunks_cap) {
+        void * p = realloc(batch->chunks, sizeof(*batch->chunks) * n_chunks);
         if (p == NULL) { return -1; }
-        pool->batch.chunks     = p;
-        pool->batch.chunks_cap = n_chunks;
+        batch->chunks     = p;
+        batch->chunks_cap = n_chunks;
     }
-    if (staging > pool->batch.staging_size) {
+    struct empanel_staging * st = &pool->staging;
+    if (staging > st->size) {
         empanel_batch_staging_free(pool);
-        pool->batch.staging      = pool->batch.staging_owner ? empanel_host_buffer_alloc(pool->batch.staging_owner, staging, &pool->batch.staging_buffer)
-                                                 : malloc(staging);
-        pool->batch.staging_size = pool->batch.staging ? staging : 0;
-        if (pool->batch.staging == NULL) { return -1; }
+        st->data = st->owner ? empanel_host_buffer_alloc(st->owner, staging, &st->buffer) : malloc(staging);
+        st->size = st->data ? staging : 0;
+        if (st->data == NULL) { return -1; }
     }
     return 0;
 }
@@ -177,14 +183,14 @@ struct batch_plan {
 
 // the read of expert -> slot of tensor i into the plan: a job and its chunks (none if an RPC
 // host's cache or the host tier has its bytes)
-static void plan_job(struct empanel_pool * pool, struct empanel_layer * layer, int32_t i, int32_t expert, int32_t slot,
-                     struct batch_plan * bp) {
+static void plan_job(struct empanel_pool * pool, struct empanel_batch * batch, struct empanel_layer * layer, int32_t i,
+                     int32_t expert, int32_t slot, struct batch_plan * bp) {
     struct empanel_tensor * t = &layer->tensors[i];
     if (remote_by_hash(layer, t, expert, slot)) {
         t->held[slot] = expert; // in place, nothing to read
         return;
     }
-    struct empanel_read_job * job = &pool->batch.jobs[bp->n_jobs];
+    struct empanel_read_job * job = &batch->jobs[bp->n_jobs];
     job->tensor  = t;
     job->expert  = expert;
     job->slot    = slot;
@@ -215,23 +221,42 @@ static void plan_job(struct empanel_pool * pool, struct empanel_layer * layer, i
         return;
     }
     bp->n_chunks += plan_chunks(&pool->reader, job, bp->n_jobs, to_staging || tier != NULL,
-                                pool->batch.chunks + bp->n_chunks, &bp->io_bytes, &bp->bounced);
+                                batch->chunks + bp->n_chunks, &bp->io_bytes, &bp->bounced);
     bp->payload  += t->expert_size;
     bp->n_jobs++;
     bp->n_landing[i]++;
     bp->chunk_end[i] = bp->n_chunks;
 }
 
+int empanel_batch_beside(const struct empanel_pool * pool, const struct empanel_layer * layer) {
+    if (pool->policy == EMPANEL_POLICY_GLRU || !pool->reader.beside) {
+        return 0; // (another layer's remap may evict the slots being read into)
+    }
+    for (int32_t i = 0; i < layer->n_tensors; i++) {
+        const struct empanel_tensor * t = &layer->tensors[i];
+        if (!t->direct || t->remote || t->pool == NULL) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 // plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer, tensor by
 // tensor (order: their indices in the order to read them, each waited for on its own with
-// empanel_batch_wait_tensor; NULL: in index order), or (by_expert) expert after expert; nothing
-// may be in flight. Their slots hold nothing until empanel_batch_finish succeeds.
+// empanel_batch_wait_tensor; NULL: in index order) in the demand lane, or (by_expert) expert after
+// expert in the read-ahead lane; nothing may be in flight in that lane, nor in the other one
+// unless the read-ahead may go beside it. Their slots hold nothing until
+// empanel_batch_finish_lane succeeds.
 static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t t0, int32_t t1,
                       const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order,
                       int by_expert) {
-    struct empanel_batch * batch = &pool->batch;
-    if (batch->inflight) {
-        empanel_set_error(pool, "empanel: reads posted while others are in flight");
+    const int32_t lane = by_expert ? EMPANEL_LANE_AHEAD : EMPANEL_LANE_DEMAND;
+    struct empanel_batch * batch = &pool->batch[lane];
+    const struct empanel_batch * other = &pool->batch[1 - lane];
+    const int beside = empanel_batch_beside(pool, layer);
+    if (batch->inflight || (other->inflight && (!other->beside || !beside || other->layer == layer))) {
+        empanel_set_error(pool, "empanel: reads of layer %d posted while others are in flight",
+                          (int) (layer - pool->layers));
         return -1;
     }
     for (int32_t i = t0; i < t1; i++) {
@@ -244,14 +269,15 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     int32_t  max_chunks_per_expert;
     expert_needs(&pool->reader, layer, t0, t1, &staged_per_expert, &max_chunks_per_expert);
     // (staging: plus a block to align its start)
-    if (reserve(pool, n * (t1 - t0), n * max_chunks_per_expert, staged_per_expert * (uint64_t) n + EMPANEL_ALIGN) != 0) {
+    if (reserve(pool, batch, n * (t1 - t0), n * max_chunks_per_expert,
+                staged_per_expert * (uint64_t) n + EMPANEL_ALIGN) != 0) {
         empanel_set_error(pool, "empanel: out of memory for reading %d experts", n);
         return -1;
     }
 
     struct batch_plan bp = {
-        .staging = (uint8_t *) (uintptr_t) empanel_align_up((uint64_t) (uintptr_t) batch->staging),
-        .stamp   = ++batch->n_posted,
+        .staging = (uint8_t *) (uintptr_t) empanel_align_up((uint64_t) (uintptr_t) pool->staging.data),
+        .stamp   = ++pool->n_batches,
     };
     const int32_t n_t = t1 - t0;
     for (int32_t q = 0; q < n_t * n; q++) { // tensor after tensor, or (by_expert) expert after expert
@@ -259,9 +285,10 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
         const int32_t m = by_expert ? q / n_t : q % n;
         const int32_t i = order != NULL ? order[k] : t0 + k;
         bp.chunk_end[i] = bp.n_chunks; // (tensor after tensor: up to its last chunk)
-        plan_job(pool, layer, i, experts[m], slots[m], &bp);
+        plan_job(pool, batch, layer, i, experts[m], slots[m], &bp);
     }
     batch->inflight     = 1;
+    batch->beside       = beside;
     batch->dropped      = 0;
     batch->ahead        = by_expert && pool->reader.drop_ahead;
     batch->layer        = layer;
@@ -271,7 +298,8 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     batch->io_bytes     = bp.io_bytes;
     batch->bounce_bytes = bp.bounced;
     batch->t0           = empanel_now_ns();
-    empanel_reader_post(pool, batch->jobs, batch->chunks, bp.n_chunks, layer, order != NULL, bp.n_landing, bp.chunk_end);
+    empanel_reader_post(pool, lane, batch->jobs, batch->chunks, bp.n_chunks, layer, order != NULL, bp.n_landing,
+                        bp.chunk_end);
     return 0;
 }
 
@@ -292,30 +320,31 @@ int empanel_batch_post_ahead(struct empanel_pool * pool, struct empanel_layer * 
 
 void empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
                        uint64_t stamp) {
-    if (!pool->batch.inflight || !pool->batch.ahead || pool->batch.layer != layer) {
+    struct empanel_batch * batch = &pool->batch[EMPANEL_LANE_AHEAD];
+    if (!batch->inflight || !batch->ahead || batch->layer != layer) {
         return;
     }
-    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
-        struct empanel_read_job * job = &pool->batch.jobs[j];
+    for (int32_t j = 0; j < batch->n_jobs; j++) {
+        struct empanel_read_job * job = &batch->jobs[j];
         if (slot_mark[job->slot] != stamp && job->tier == 0) { // (a host-tier entry must be whole)
             atomic_store(&job->dropped, 1);
-            pool->batch.dropped = 1;
+            batch->dropped = 1;
         }
     }
 }
 
 // the finished batch had experts dropped (empanel_batch_drop): those that did not land whole hold
 // nothing (their slots are emptied by the remap's reconcile), what was read of them is wasted
-static void account_dropped(struct empanel_pool * pool, struct empanel_layer * layer) {
+static void account_dropped(const struct empanel_batch * batch, struct empanel_layer * layer) {
     const uint64_t stamp = ++layer->tables.mark_stamp; // slots whose expert did not land whole
-    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
-        const struct empanel_read_job * job = &pool->batch.jobs[j];
+    for (int32_t j = 0; j < batch->n_jobs; j++) {
+        const struct empanel_read_job * job = &batch->jobs[j];
         if (atomic_load(&job->dropped) && !job->landed) {
             layer->tables.slot_mark[job->slot] = stamp;
         }
     }
-    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
-        const struct empanel_read_job * job = &pool->batch.jobs[j];
+    for (int32_t j = 0; j < batch->n_jobs; j++) {
+        const struct empanel_read_job * job = &batch->jobs[j];
         if (layer->tables.slot_mark[job->slot] == stamp) {
             layer->stats.prefetch_wasted += job->tensor->expert_size - atomic_load(&job->skipped);
         }
@@ -329,7 +358,7 @@ static void account_dropped(struct empanel_pool * pool, struct empanel_layer * l
 }
 
 int empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor) {
-    if (!pool->batch.inflight || !pool->reader.posted.by_tensor || pool->batch.layer != layer) {
+    if (!empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, layer) || !pool->reader.posted[EMPANEL_LANE_DEMAND].by_tensor) {
         return 0; // its reads are done (or were never posted so)
     }
     const uint64_t t0 = empanel_now_ns();
@@ -340,23 +369,25 @@ int empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer *
     return rc;
 }
 
-int empanel_batch_finish(struct empanel_pool * pool) {
-    if (!pool->batch.inflight) {
+int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
+    struct empanel_batch  * batch  = &pool->batch[lane];
+    struct empanel_posted * posted = &pool->reader.posted[lane];
+    if (!batch->inflight) {
         return 0;
     }
-    const int      ready = pool->reader.posted.by_tensor; // (empanel_reader_finish clears it)
+    const int      ready = posted->by_tensor; // (empanel_reader_finish clears it)
     const uint64_t t0    = empanel_now_ns();
-    empanel_reader_finish(pool);
+    empanel_reader_finish(pool, lane);
     const uint64_t t1 = empanel_now_ns();
-    pool->batch.inflight = 0;
+    batch->inflight = 0;
 
-    struct empanel_layer * layer = pool->batch.layer;
-    if (atomic_load(&pool->reader.posted.batch_failed) || atomic_load(&pool->failed)) {
-        empanel_host_cache_batch_landed(pool, 0);
+    struct empanel_layer * layer = batch->layer;
+    if (atomic_load(&posted->batch_failed) || atomic_load(&pool->failed)) {
+        empanel_host_cache_batch_landed(pool, batch, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
-    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
-        const struct empanel_read_job * job = &pool->batch.jobs[j];
+    for (int32_t j = 0; j < batch->n_jobs; j++) {
+        const struct empanel_read_job * job = &batch->jobs[j];
         if (job->convert != 2 || !job->landed) {
             continue;
         }
@@ -366,7 +397,7 @@ int empanel_batch_finish(struct empanel_pool * pool) {
                 return -1;
             }
         } else if (empanel_reader_convert(pool, job) != 0) {
-            empanel_host_cache_batch_landed(pool, 0);
+            empanel_host_cache_batch_landed(pool, batch, 0);
             return -1;
         } else {
             layer->stats.copy_bytes += job->tensor->expert_size;
@@ -374,19 +405,19 @@ int empanel_batch_finish(struct empanel_pool * pool) {
             layer->stats.host_bytes += job->tier == 2 ? job->tensor->expert_size : 0;
         }
     }
-    if (atomic_load(&pool->reader.posted.batch_failed) || atomic_load(&pool->failed)) {
-        empanel_host_cache_batch_landed(pool, 0);
+    if (atomic_load(&posted->batch_failed) || atomic_load(&pool->failed)) {
+        empanel_host_cache_batch_landed(pool, batch, 0);
         return -1; // a reader thread's conversion failed
     }
     if (empanel_files_check(pool) != 0) {
-        empanel_host_cache_batch_landed(pool, 0);
+        empanel_host_cache_batch_landed(pool, batch, 0);
         return -1; // written to while we read: the bytes may be torn
     }
-    empanel_host_cache_batch_landed(pool, 1); // the host tier's entries hold what was read
+    empanel_host_cache_batch_landed(pool, batch, 1); // the host tier's entries hold what was read
     layer->ready.reads_open = ready ? 0 : layer->ready.reads_open; // its tables hold from now on
     uint64_t skipped = 0; // payload of dropped read-ahead not read
-    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
-        const struct empanel_read_job * job = &pool->batch.jobs[j];
+    for (int32_t j = 0; j < batch->n_jobs; j++) {
+        const struct empanel_read_job * job = &batch->jobs[j];
         skipped += atomic_load(&job->skipped);
         if (!job->landed) {
             continue; // dropped: its slot stays marked as holding nothing
@@ -397,19 +428,26 @@ int empanel_batch_finish(struct empanel_pool * pool) {
             layer->stats.verify_ns += job->verify_ns;
         }
     }
-    const uint64_t done = pool->reader.posted.done_ns > pool->batch.t0 ? pool->reader.posted.done_ns : t1;
-    layer->stats.read_ns    += (done < t1 ? done : t1) - pool->batch.t0;
+    const uint64_t done = posted->done_ns > batch->t0 ? posted->done_ns : t1;
+    layer->stats.read_ns    += (done < t1 ? done : t1) - batch->t0;
     layer->stats.wait_ns    += t1 - t0;
     layer->stats.write_ns   += empanel_now_ns() - t1;
-    if (pool->batch.dropped) {
-        account_dropped(pool, layer);
+    if (batch->dropped) {
+        account_dropped(batch, layer);
     }
-    layer->stats.bytes_read += pool->batch.payload - skipped;
-    layer->stats.io_bytes   += pool->batch.io_bytes - atomic_load(&pool->reader.posted.skipped_io);
-    layer->stats.bounce_bytes += pool->batch.bounce_bytes - atomic_load(&pool->reader.posted.skipped_bounce);
-    layer->stats.read_cpu_ns  += atomic_load(&pool->reader.posted.cpu_ns);
-    layer->stats.n_reads    += (uint64_t) pool->batch.n_chunks;
+    layer->stats.bytes_read += batch->payload - skipped;
+    layer->stats.io_bytes   += batch->io_bytes - atomic_load(&posted->skipped_io);
+    layer->stats.bounce_bytes += batch->bounce_bytes - atomic_load(&posted->skipped_bounce);
+    layer->stats.read_cpu_ns  += atomic_load(&posted->cpu_ns);
+    layer->stats.n_reads    += (uint64_t) batch->n_chunks;
     return 0;
+}
+
+// (the demand lane first: a read-ahead beside it is read after it anyway)
+int empanel_batch_finish(struct empanel_pool * pool) {
+    const int demand = empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND);
+    const int ahead  = empanel_batch_finish_lane(pool, EMPANEL_LANE_AHEAD);
+    return demand == 0 && ahead == 0 ? 0 : -1;
 }
 
 int empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
@@ -426,7 +464,7 @@ int empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
     for (int32_t g0 = 0; g0 < n_misses; g0 += group) {
         const int32_t n = g0 + group < n_misses ? group : n_misses - g0;
         if (post_batch(pool, layer, 0, layer->n_tensors, misses + g0, slots + g0, n, NULL, 0) != 0 ||
-            empanel_batch_finish(pool) != 0) {
+            empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0) {
             return -1;
         }
     }
@@ -450,7 +488,7 @@ int empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * 
 // to are read no further (their slots are emptied by the reconcile that follows)
 void empanel_batch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
                                  int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
-    if (!pool->batch.inflight || !pool->batch.ahead || pool->batch.layer != layer) {
+    if (!empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, layer) || !pool->batch[EMPANEL_LANE_AHEAD].ahead) {
         return;
     }
     const uint64_t stamp = ++layer->tables.mark_stamp; // slots of the experts routed to

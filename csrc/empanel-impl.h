@@ -198,9 +198,20 @@ struct empanel_host_cache {
     int32_t  * entry_of;     // [n_layer * n_expert] entry of (layer, expert), -1: none
 };
 
-// the batch posted to the reader threads (reader.c: written by empanel_reader_post under the
-// reader's mutex, before the threads wake; by_tensor cleared by empanel_reader_finish once no
-// thread is inside it). The threads read it; the atomics are what they write
+// the lanes of reads in flight: a remap's own reads (its misses, a wave's, a preload's) and a
+// read-ahead's. Each lane holds one batch at most; the reader takes the demand lane's chunks
+// first, so a read-ahead queued behind a layer's reads never delays them (batch.c says when the
+// two may be in flight at once)
+enum empanel_lane {
+    EMPANEL_LANE_DEMAND = 0,
+    EMPANEL_LANE_AHEAD  = 1,
+    EMPANEL_N_LANES     = 2,
+};
+
+// the batch posted to the reader threads in one lane (reader.c: written by empanel_reader_post
+// under the reader's mutex while no thread is inside the lane, before the threads wake; by_tensor
+// cleared by empanel_reader_finish once no thread is inside it). The threads read it; the atomics
+// are what they write
 struct empanel_posted {
     int                          by_tensor;    // its tensors are waited for one by one (empanel_ready)
     const struct empanel_tensor * tensors;     // its layer's tensors
@@ -211,7 +222,9 @@ struct empanel_posted {
     int32_t                      n_chunks;
     atomic_int                   next;   // next chunk to take
     atomic_int                   done;   // chunks finished
-    atomic_int                   busy;   // threads working on the batch
+    atomic_int                   busy;   // threads inside the lane (reading its fields)
+    atomic_int                   waited; // the caller waits for the whole batch (a read-ahead it
+                                         // needs now): the ring takes its chunks at full depth
     atomic_int                   batch_failed; // a chunk of this batch failed or was skipped
     atomic_ullong                cpu_ns; // CPU time the threads spent on this batch
     atomic_ullong                skipped_io;     // file bytes of dropped chunks not read (empanel_batch_drop)
@@ -230,6 +243,7 @@ struct empanel_ring_read {
     int       err;      // errno of the failed read, 0: none (ring.c)
     int       retries;  // completions that asked to be tried again (EAGAIN, EINTR) (ring.c)
     int32_t   chunk;    // the caller's: the chunk it reads
+    int32_t   lane;     // the caller's: the lane of that chunk
     uint8_t * bounce;   // the caller's: its bounce buffer (O_DIRECT windows not read in place)
 };
 
@@ -249,9 +263,9 @@ void empanel_ring_queue(struct empanel_ring * ring, struct empanel_ring_read * r
 struct empanel_ring_read * empanel_ring_reap(struct empanel_ring * ring);
 int  empanel_ring_broken(const struct empanel_ring * ring);
 
-// reader threads: they and the calling thread share out the chunks of one batch (reader.c). With
-// io_uring, one reader thread keeps up to `depth` chunks in flight in its ring and lands them,
-// and the calling thread only waits
+// reader threads: they and the calling thread share out the chunks of the posted batches, the
+// demand lane's first (reader.c). With io_uring, one reader thread keeps up to `depth` chunks in
+// flight in its ring, of both lanes, and lands them; the calling thread only waits
 struct empanel_reader {
     int32_t         depth;        // io_uring: chunks in flight at most
     struct empanel_ring      * ring;     // io_uring: the ring of reader thread 0; NULL: the threads read
@@ -268,16 +282,18 @@ struct empanel_reader {
     int             direct;       // reads use O_DIRECT
     int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
                                   // the copies zero-copy reads save, measured side by side)
+    int             beside;       // the two lanes may be in flight at once (EMPANEL_READ_AHEAD_BESIDE=0: a
+                                  // read-ahead waits for the demand lane, as before, measured side by side)
     int             drop_ahead;   // read-ahead not routed is dropped (EMPANEL_READ_AHEAD_KEEP=1: read whole,
                                   // as before, measured side by side)
     struct empanel_pool * pool;
 
     pthread_mutex_t mutex;
     pthread_cond_t  cond_work;    // a batch is posted (or stop)
-    pthread_cond_t  cond_done;    // the last chunk of the batch finished
-    uint64_t        generation;   // batches posted so far
+    pthread_cond_t  cond_done;    // a lane's last chunk finished, a tensor landed, a thread left a lane
+    atomic_ullong   posts[EMPANEL_N_LANES];  // batches posted in each lane so far (under mutex)
     int             stop;
-    struct empanel_posted posted;
+    struct empanel_posted posted[EMPANEL_N_LANES];
 };
 // g-lru (slots.c): every resident (layer, slot) in one list, least recently used first, and the
 // budget of resident bytes over all layers. Guarded by the pool's lock
@@ -311,22 +327,28 @@ struct empanel_fault {
     atomic_llong n_requests;
 };
 
-// the batch of reads in flight (batch.c; posted, not finished: at most one) and the scratch it
-// is planned in. Guarded by the pool's lock; the reader threads read only what the reader's own
+// staging for experts on their way to non-direct pools (batch.c): one batch in flight uses it at
+// most (a batch beside another one needs none). Guarded by the pool's lock
+struct empanel_staging {
+    uint8_t                 * data;          // [size] pinned host memory of a device pool's device, if any
+    uint64_t                  size;
+    void                    * owner;         // the device pool whose device pinned it, or NULL (malloc)
+    void                    * buffer;        // the backend buffer of pinned staging
+};
+
+// the batch of reads in flight in one lane (batch.c; posted, not finished) and the scratch it is
+// planned in. Guarded by the pool's lock; the reader threads read only what the reader's own
 // struct holds (empanel_reader_post)
 struct empanel_batch {
     struct empanel_read_job * jobs;          // [jobs_cap]
     int32_t                   jobs_cap;
     struct empanel_chunk    * chunks;        // [chunks_cap]
     int32_t                   chunks_cap;
-    uint8_t                 * staging;       // [staging_size] for non-direct pools: pinned host memory of a
-                                             // device pool's device, if any
-    uint64_t                  staging_size;
-    void                    * staging_owner; // the device pool whose device pinned it, or NULL (malloc)
-    void                    * staging_buffer; // the backend buffer of pinned staging
-    uint64_t                  n_posted;      // batches so far: the host tier's batch stamp
 
     int                       inflight;      // a batch is posted and not finished
+    int                       beside;        // it may be in flight beside the other lane's batch
+                                             // (empanel_batch_beside: it stages nothing, and no
+                                             // other layer's remap evicts its slots)
     int                       ahead;         // a read-ahead whose unrouted experts may be dropped
     int                       dropped;       // some of its read-ahead was dropped (empanel_batch_drop)
     struct empanel_layer    * layer;
@@ -362,11 +384,14 @@ struct empanel_pool {
     struct empanel_reader reader;
     struct empanel_host_cache host_cache;
 
-    // a read-ahead that found the reader busy with a layer's overlapped reads (empanel_ready):
-    // posted once they are done (empanel_guess_post_deferred), dropped by the next remap (guess.c)
+    // a read-ahead that found a layer's overlapped reads in flight and may not go beside them
+    // (empanel_batch_beside): posted once they are done (empanel_guess_post_deferred), dropped by
+    // the next remap (guess.c)
     struct empanel_layer    * deferred_guess;  // its live guess (tables.distinct, guess.n) is read ahead
 
-    struct empanel_batch      batch;
+    struct empanel_batch      batch[EMPANEL_N_LANES];
+    struct empanel_staging    staging;
+    uint64_t                  n_batches;   // batches posted so far: the host tier's batch stamp
 
     char notice[256];
 
@@ -535,17 +560,17 @@ void     empanel_reader_stop (struct empanel_pool * pool);
 // io_uring stopped answering with reads in flight: buffers they may land in must never be freed
 int      empanel_reader_lost (const struct empanel_pool * pool);
 int32_t  empanel_reader_io   (const struct empanel_pool * pool); // EMPANEL_READ_IO_THREADS or _URING, now
-// reader.c, for batch.c: post a batch's chunks to the threads; take chunks alongside them until
-// every chunk is done; wait until tensor ti's experts have landed (batches waited for tensor by
-// tensor; 0, or -1 if a read of the batch failed); staging -> slot (repack, or a copy to the
-// device: 0, or -1 with the error recorded)
+// reader.c, for batch.c: post a batch's chunks to the threads in a lane (enum empanel_lane); take
+// the lane's chunks alongside them until every chunk is done; wait until tensor ti's experts
+// have landed (demand batches waited for tensor by tensor; 0, or -1 if a read of the batch
+// failed); staging -> slot (repack, or a copy to the device: 0, or -1 with the error recorded)
 // (by_tensor: tensor i of the layer's jobs that land through the threads are n_landing[i], its
 // chunks end at chunk_end[i])
-void     empanel_reader_post       (struct empanel_pool * pool, struct empanel_read_job * jobs,
+void     empanel_reader_post       (struct empanel_pool * pool, int32_t lane, struct empanel_read_job * jobs,
                                     const struct empanel_chunk * chunks, int32_t n_chunks,
                                     const struct empanel_layer * layer, int by_tensor, const int32_t * n_landing,
                                     const int32_t * chunk_end);
-void     empanel_reader_finish     (struct empanel_pool * pool);
+void     empanel_reader_finish     (struct empanel_pool * pool, int32_t lane);
 int      empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti);
 int      empanel_reader_convert      (struct empanel_pool * pool, const struct empanel_read_job * job);
 // read n_misses experts of a layer into their slots (misses[i] -> slots[i]), every tensor of the
@@ -562,12 +587,13 @@ int      empanel_batch_post   (struct empanel_pool * pool, struct empanel_layer 
 int      empanel_batch_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n,
                                  const int32_t * order);
-// start reading ahead n guessed experts of a layer (experts[i] -> slots[i], every tensor): expert
-// after expert in the order given (the likeliest first), so that empanel_batch_drop finds the
-// unlikeliest ones not yet read
+// start reading ahead n guessed experts of a layer (experts[i] -> slots[i], every tensor) in the
+// read-ahead lane: expert after expert in the order given (the likeliest first), so that
+// empanel_batch_drop finds the unlikeliest ones not yet read. The lane must be free, and the
+// demand lane too unless empanel_batch_beside says the read-ahead may go beside it
 int      empanel_batch_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
                                  const int32_t * experts, const int32_t * slots, int32_t n);
-// the batch in flight is a read-ahead (empanel_batch_post_ahead) of `layer`, whose remap routes to
+// the read-ahead in flight (empanel_batch_post_ahead) is of `layer`, whose remap routes to
 // the experts in the slots with slot_mark[s] == stamp: the other experts' chunks not yet taken are
 // skipped, and empanel_batch_finish leaves their slots marked as holding nothing (reconcile empties
 // them). Bytes skipped count nowhere; bytes already read count as read and wasted; the experts
@@ -578,9 +604,20 @@ void     empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * l
 // the experts of one tensor, reading alongside the threads; 0 (also if no such batch is in
 // flight), or -1 if a read of the batch failed
 int      empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
-// wait for the batch in flight (reading alongside the threads) and account for it; 0 if there
-// is none or it succeeded, -1 if a read failed (its slots then hold nothing)
+// wait for the batch in flight in a lane (reading alongside the threads) and account for it; 0 if
+// there is none or it succeeded, -1 if a read failed (its slots then hold nothing)
+int      empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane);
+// the same for both lanes: nothing is in flight afterwards; 0, or -1 if a read of either failed
 int      empanel_batch_finish (struct empanel_pool * pool);
+// reads of `layer` may be in flight in one lane beside the other lane's (if that one's may too):
+// the layer's pools are plain host memory that reads land in (nothing staged, no host tier, no
+// RPC host) and no other layer's remap evicts its slots (not g-lru)
+int      empanel_batch_beside(const struct empanel_pool * pool, const struct empanel_layer * layer);
+// the batch in a lane is in flight (of `layer`, if not NULL)
+static inline int empanel_batch_inflight(const struct empanel_pool * pool, int32_t lane,
+                                         const struct empanel_layer * layer) {
+    return pool->batch[lane].inflight && (layer == NULL || pool->batch[lane].layer == layer);
+}
 // read experts tables.misses[0, n) into the claimed, empty slots tables.victims[0, n) and make
 // them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
 int      empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);
@@ -602,8 +639,8 @@ uint8_t * empanel_host_cache_get(struct empanel_pool * pool, struct empanel_laye
 // the read of tensor ti of (layer, expert) into its entry succeeded (ok) or failed
 void     empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_layer * layer, int32_t ti,
                                    int32_t expert, int ok);
-// the reads of the batch in flight into tier entries: held there if it succeeded (ok), else not
-void     empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok);
+// the reads of a finished batch into tier entries: held there if it succeeded (ok), else not
+void     empanel_host_cache_batch_landed(struct empanel_pool * pool, const struct empanel_batch * batch, int ok);
 // the index in layer->tensors of the tensor whose slot pool is pool_tensor, or -1
 static inline int32_t empanel_tensor_index(const struct empanel_layer * layer, const void * pool_tensor) {
     for (int32_t i = 0; i < layer->n_tensors; i++) {

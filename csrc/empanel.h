@@ -22,7 +22,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 12
+#define EMPANEL_SIDECAR_VERSION 13
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -116,6 +116,7 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(prefetch_used,   counter, "",                      "Of those, the ones their micro-batch routed to.") \
     X(prefetch_wasted, counter, "",                      "Bytes read ahead for experts their micro-batch did not route to.") \
     X(prefetch_dropped, counter, "",                     "Read-ahead experts not routed whose reads were dropped before they landed.") \
+    X(prefetch_beside, counter, "",                      "Read-ahead batches posted while another layer's reads were in flight (read after them).") \
     X(substituted,     counter, "",                      "(token, expert) pairs whose missing expert got a resident stand-in.") \
     X(verified,        counter, "",                      "Expert tensors read whose bytes were checked against a digest.") \
     X(verify_ns,       counter, "",                      "Time the reader threads spent hashing (summed over threads).") \
@@ -175,8 +176,10 @@ EMPANEL_API int32_t empanel_remap(
 // the gate-ahead guess hook (llama_empanel_guess_fn): expert ids [n_tokens][n_used] that layer il's
 // router picks for the FFN input of the paged layer `distance` layers before it, handed over while
 // that layer computes. The guessed experts are evicted last by il's next remap; with
-// params.prefetch >= distance the ones not resident are read into il's pool now (one batch in
-// flight at a time: a guess finding the reader busy reads nothing). Always returns 0.
+// params.prefetch >= distance the ones not resident are read into il's pool now, behind the reads
+// of the layer computing now where both lanes may be in flight at once (plain host pools, not
+// g-lru), else once those are done; one read-ahead in flight at a time (a guess finding one
+// reads nothing). Always returns 0.
 EMPANEL_API int32_t empanel_guess(
         void          * pool,
         int32_t         il,

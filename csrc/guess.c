@@ -63,7 +63,8 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
     // does not route to (empanel_batch_drop)
     layer->guess.prefetch_open = 1; // a failed read empties the slots again (reconcile)
     if (empanel_files_check(pool) == 0 && empanel_batch_post_ahead(pool, layer, layer->tables.misses, layer->tables.victims, n_read) == 0) {
-        layer->stats.prefetched += (uint64_t) n_read;
+        layer->stats.prefetched      += (uint64_t) n_read;
+        layer->stats.prefetch_beside += (uint64_t) empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL);
         for (int32_t i = 0; i < n_read; i++) {
             layer->guess.prefetch_mark[layer->tables.victims[i]] = 1;
         }
@@ -101,10 +102,12 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
         pthread_mutex_unlock(&pool->lock);
         return -1;
     }
-    if (distance <= pool->prefetch && !pool->lab && !layer->waves.open && !layer->guess.prefetch_open) {
-        if (!pool->batch.inflight) {
-            prefetch_guess(pool, layer, n);
-        } else if (pool->reader.posted.by_tensor && pool->deferred_guess == NULL) {
+    if (distance <= pool->prefetch && !pool->lab && !layer->waves.open && !layer->guess.prefetch_open &&
+        !layer->ready.reads_open && !empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL)) {
+        const struct empanel_batch * demand = &pool->batch[EMPANEL_LANE_DEMAND];
+        if (!demand->inflight || (demand->beside && demand->layer != layer && empanel_batch_beside(pool, layer))) {
+            prefetch_guess(pool, layer, n); // (queued behind the reads of the layer computing now)
+        } else if (pool->reader.posted[EMPANEL_LANE_DEMAND].by_tensor && pool->deferred_guess == NULL) {
             pool->deferred_guess = layer; // after the overlapped reads of the layer computing now
         }
     }
@@ -117,7 +120,8 @@ void empanel_guess_post_deferred(struct empanel_pool * pool) {
     pool->deferred_guess = NULL;
     // the layer's live guess as it is now: a later guess of it (read-ahead depth >= 2, another
     // distance) rewrote layer->tables.distinct and guess_n, and its remap spends it (guess_live 0)
-    if (layer != NULL && layer->guess.live && !pool->batch.inflight && !layer->waves.open && !layer->guess.prefetch_open &&
+    if (layer != NULL && layer->guess.live && !empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL) &&
+        !empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL) && !layer->waves.open && !layer->guess.prefetch_open &&
         !atomic_load(&pool->failed)) {
         prefetch_guess(pool, layer, layer->guess.n);
     }

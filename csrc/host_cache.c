@@ -170,11 +170,11 @@ void empanel_host_cache_landed(struct empanel_pool * pool, const struct empanel_
     }
 }
 
-void empanel_host_cache_batch_landed(struct empanel_pool * pool, int ok) {
-    for (int32_t j = 0; j < pool->batch.n_jobs; j++) {
-        const struct empanel_read_job * job = &pool->batch.jobs[j];
+void empanel_host_cache_batch_landed(struct empanel_pool * pool, const struct empanel_batch * batch, int ok) {
+    for (int32_t j = 0; j < batch->n_jobs; j++) {
+        const struct empanel_read_job * job = &batch->jobs[j];
         if (job->tier == 1) {
-            const struct empanel_layer * layer = pool->batch.layer;
+            const struct empanel_layer * layer = batch->layer;
             empanel_host_cache_landed(pool, layer, (int32_t) (job->tensor - layer->tensors), job->expert, ok);
         }
     }

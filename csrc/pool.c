@@ -330,8 +330,10 @@ void empanel_pool_free(struct empanel_pool * pool) {
         free(pool->layers);
     }
     empanel_files_close(pool);
-    free(pool->batch.jobs);
-    free(pool->batch.chunks);
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        free(pool->batch[lane].jobs);
+        free(pool->batch[lane].chunks);
+    }
     if (!empanel_reader_lost(pool)) { // (else the kernel may still read into it: kept)
         empanel_batch_staging_free(pool);
     }
@@ -407,9 +409,9 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const s
                     return -1;
                 }
             }
-            if (t->host == NULL && pool->batch.staging_owner == NULL) {
+            if (t->host == NULL && pool->staging.owner == NULL) {
                 empanel_batch_staging_free(pool);         // reads bound for device memory: pinned staging
-                pool->batch.staging_owner = pool_tensor;
+                pool->staging.owner = pool_tensor;
             }
             if (t->host != NULL) {
                 // zeros, and no memory until a slot is used

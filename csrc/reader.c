@@ -28,6 +28,12 @@
 //   caller only waits. Where the build or the kernel has no io_uring, the threads, with a notice.
 // Both take chunks in order from the same counter, fail the same way (the same messages, the
 // same failpoint) and land through the same code.
+//
+// Two lanes (enum empanel_lane) may each hold a posted batch: a remap's reads (demand) and a
+// read-ahead. The demand lane's chunks are always taken first: a thread reading ahead goes back to
+// the demand lane at its next chunk once a batch is posted there, and the ring keeps at most a
+// quarter of its depth of read-ahead in flight, so a demand read waits behind a few read-ahead
+// chunks at most.
 
 #include "empanel-impl.h"
 
@@ -121,13 +127,14 @@ static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c
     return 0;
 }
 
-static int read_chunk(struct empanel_reader * reader, const struct empanel_chunk * c, uint8_t * bounce) {
+static int read_chunk(struct empanel_reader * reader, const struct empanel_posted * p, const struct empanel_chunk * c,
+                      uint8_t * bounce) {
     struct empanel_pool * pool = reader->pool;
     const struct empanel_file * f = &pool->files[c->file];
     if (read_fault(pool, c) != 0) {
         return -1;
     }
-    uint8_t * dst = reader->posted.jobs[c->job].dst + c->dst_offset;
+    uint8_t * dst = p->jobs[c->job].dst + c->dst_offset;
     if (reader->direct && f->fd_direct >= 0) {
         if (c->in_place) { // the whole window, at an aligned address of the job's own
             return pread_chunk(pool, f, f->fd_direct, dst - c->skip, c->length, c->offset, c->skip + c->payload);
@@ -148,27 +155,28 @@ enum chunk_outcome {
     CHUNK_FAILED,  // its read failed, or the batch failed before it was read
 };
 
-// the outcome of chunk i before it is read: skipped or failed already, else CHUNK_READ (to read)
-static enum chunk_outcome chunk_before_read(struct empanel_reader * reader, const struct empanel_chunk * c) {
-    if (atomic_load(&reader->posted.jobs[c->job].dropped)) {
+// the outcome of chunk c before it is read: skipped or failed already, else CHUNK_READ (to read)
+static enum chunk_outcome chunk_before_read(struct empanel_reader * reader, const struct empanel_posted * p,
+                                            const struct empanel_chunk * c) {
+    if (atomic_load(&p->jobs[c->job].dropped)) {
         return CHUNK_SKIPPED;
     }
     return atomic_load(&reader->pool->failed) ? CHUNK_FAILED : CHUNK_READ;
 }
 
-// chunk i of the posted batch is done; the thread finishing a job's last chunk lands the expert
-// (hash check, repack). Waiters are woken by the batch's last chunk, a failure, and (batches
-// waited for tensor by tensor) a tensor's last expert landed
-static void land_chunk(struct empanel_reader * reader, int i, enum chunk_outcome outcome) {
+// chunk i of a lane's posted batch is done; the thread finishing a job's last chunk lands the
+// expert (hash check, repack). Waiters are woken by the batch's last chunk, a failure, and
+// (batches waited for tensor by tensor) a tensor's last expert landed
+static void land_chunk(struct empanel_reader * reader, struct empanel_posted * p, int i, enum chunk_outcome outcome) {
     struct empanel_pool        * pool = reader->pool;
-    const struct empanel_chunk * c    = &reader->posted.chunks[i];
-    struct empanel_read_job    * job  = &reader->posted.jobs[c->job];
+    const struct empanel_chunk * c    = &p->chunks[i];
+    struct empanel_read_job    * job  = &p->jobs[c->job];
     int failed = 0;
     int landed = 0; // the last expert of its tensor in this batch
     if (outcome == CHUNK_SKIPPED) { // a read-ahead not routed: the expert never lands
         atomic_fetch_add(&job->skipped, c->payload);
-        atomic_fetch_add(&reader->posted.skipped_io, c->length);
-        atomic_fetch_add(&reader->posted.skipped_bounce, reader->direct && !c->in_place ? c->payload : 0);
+        atomic_fetch_add(&p->skipped_io, c->length);
+        atomic_fetch_add(&p->skipped_bounce, reader->direct && !c->in_place ? c->payload : 0);
     } else if (outcome == CHUNK_FAILED) {
         failed = 1; // skipped or failed: the batch is incomplete
     } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
@@ -180,50 +188,51 @@ static void land_chunk(struct empanel_reader * reader, int i, enum chunk_outcome
             failed = 1;
         } else {
             job->landed = 1;
-            if (reader->posted.by_tensor) {
-                const int32_t ti = (int32_t) (job->tensor - reader->posted.tensors);
-                landed = atomic_fetch_sub(&reader->posted.tensor_left[ti], 1) == 1;
+            if (p->by_tensor) {
+                const int32_t ti = (int32_t) (job->tensor - p->tensors);
+                landed = atomic_fetch_sub(&p->tensor_left[ti], 1) == 1;
             }
         }
     }
     if (failed) {
-        atomic_store(&reader->posted.batch_failed, 1);
+        atomic_store(&p->batch_failed, 1);
     }
-    const int last = atomic_fetch_add(&reader->posted.done, 1) + 1 == reader->posted.n_chunks;
+    const int last = atomic_fetch_add(&p->done, 1) + 1 == p->n_chunks;
     if (last || failed || landed) {
         pthread_mutex_lock(&reader->mutex);
         if (last) {
-            reader->posted.done_ns = empanel_now_ns();
+            p->done_ns = empanel_now_ns();
         }
         pthread_cond_broadcast(&reader->cond_done);
         pthread_mutex_unlock(&reader->mutex);
     }
 }
 
-// read chunk i of the posted batch (threads: pread) and land it
-static void work_chunk(struct empanel_reader * reader, int i, uint8_t * bounce) {
-    const struct empanel_chunk * c = &reader->posted.chunks[i];
-    enum chunk_outcome outcome = chunk_before_read(reader, c);
-    if (outcome == CHUNK_READ && read_chunk(reader, c, bounce) != 0) {
+// read chunk i of a lane's posted batch (threads: pread) and land it
+static void work_chunk(struct empanel_reader * reader, struct empanel_posted * p, int i, uint8_t * bounce) {
+    const struct empanel_chunk * c = &p->chunks[i];
+    enum chunk_outcome outcome = chunk_before_read(reader, p, c);
+    if (outcome == CHUNK_READ && read_chunk(reader, p, c, bounce) != 0) {
         outcome = CHUNK_FAILED;
     }
-    land_chunk(reader, i, outcome);
+    land_chunk(reader, p, i, outcome);
 }
 
 // ------------------------------------------------------------------------------------------------
 // io_uring: the ring's reads
 
-// chunk i into a free read r of the ring (as read_chunk would read it); 0, or -1 if it is not to
-// be read (the failpoint)
-static int ring_prepare(struct empanel_reader * reader, int i, struct empanel_ring_read * r) {
+// chunk i of a lane into a free read r of the ring (as read_chunk would read it); 0, or -1 if it
+// is not to be read (the failpoint)
+static int ring_prepare(struct empanel_reader * reader, int32_t lane, int i, struct empanel_ring_read * r) {
     struct empanel_pool        * pool = reader->pool;
-    const struct empanel_chunk * c    = &reader->posted.chunks[i];
+    const struct empanel_chunk * c    = &reader->posted[lane].chunks[i];
     const struct empanel_file  * f    = &pool->files[c->file];
     if (read_fault(pool, c) != 0) {
         return -1;
     }
-    uint8_t * dst = reader->posted.jobs[c->job].dst + c->dst_offset;
+    uint8_t * dst = reader->posted[lane].jobs[c->job].dst + c->dst_offset;
     r->chunk = i;
+    r->lane  = lane;
     if (reader->direct && f->fd_direct >= 0) {
         r->fd     = f->fd_direct;
         r->buf    = c->in_place ? dst - c->skip : r->bounce;
@@ -242,7 +251,8 @@ static int ring_prepare(struct empanel_reader * reader, int i, struct empanel_ri
 // a read the ring reaped: checked as pread_chunk checks, the payload out of the bounce buffer
 static enum chunk_outcome ring_landed(struct empanel_reader * reader, const struct empanel_ring_read * r) {
     struct empanel_pool        * pool = reader->pool;
-    const struct empanel_chunk * c    = &reader->posted.chunks[r->chunk];
+    const struct empanel_posted * p   = &reader->posted[r->lane];
+    const struct empanel_chunk * c    = &p->chunks[r->chunk];
     const struct empanel_file  * f    = &pool->files[c->file];
     const int      windowed = reader->direct && f->fd_direct >= 0;
     const uint64_t need     = windowed ? c->skip + c->payload : c->payload;
@@ -258,7 +268,7 @@ static enum chunk_outcome ring_landed(struct empanel_reader * reader, const stru
         return CHUNK_FAILED;
     }
     if (windowed && !c->in_place) {
-        memcpy(reader->posted.jobs[c->job].dst + c->dst_offset, r->bounce + c->skip, c->payload);
+        memcpy(p->jobs[c->job].dst + c->dst_offset, r->bounce + c->skip, c->payload);
     }
     return CHUNK_READ;
 }
@@ -270,18 +280,64 @@ enum ring_state {
                    // safe any more, and the ring and its buffers are never freed (reader_stop)
 };
 
-static void work_batch(struct empanel_reader * reader, uint8_t * bounce);
-
-// every chunk of the posted batch not taken yet fails
-static void fail_rest(struct empanel_reader * reader) {
-    for (int i = atomic_fetch_add(&reader->posted.next, 1); i < reader->posted.n_chunks;
-         i = atomic_fetch_add(&reader->posted.next, 1)) {
-        land_chunk(reader, i, CHUNK_FAILED);
+// every chunk of a lane's posted batch not taken yet fails
+static void fail_rest(struct empanel_reader * reader, struct empanel_posted * p) {
+    for (int i = atomic_fetch_add(&p->next, 1); i < p->n_chunks; i = atomic_fetch_add(&p->next, 1)) {
+        land_chunk(reader, p, i, CHUNK_FAILED);
     }
 }
 
+// take chunks of a lane's posted batch until none is left (1), or (the read-ahead lane) until a
+// batch is posted in the demand lane after demand_seen (0: chunks are left)
+static int work_batch(struct empanel_reader * reader, int32_t lane, uint64_t demand_seen, uint8_t * bounce) {
+    struct empanel_posted * p = &reader->posted[lane];
+    const uint64_t cpu0 = empanel_thread_cpu_ns();
+    int all = 1;
+    for (;;) {
+        if (lane != EMPANEL_LANE_DEMAND && atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]) != demand_seen) {
+            all = 0; // (the demand lane first)
+            break;
+        }
+        const int i = atomic_fetch_add(&p->next, 1);
+        if (i >= p->n_chunks) {
+            break;
+        }
+        work_chunk(reader, p, i, bounce);
+    }
+    // counted before this thread leaves the lane: empanel_batch_finish_lane waits for that (busy)
+    atomic_fetch_add(&p->cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    return all;
+}
+
+// under the reader's mutex: the first lane with a batch this thread has not taken every chunk of
+// (taken[lane]: the lane's batches it has), or -1
+static int32_t lane_to_take(struct empanel_reader * reader, const uint64_t * taken) {
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        if (atomic_load(&reader->posts[lane]) != taken[lane]) {
+            return lane;
+        }
+    }
+    return -1;
+}
+
+// the thread leaves a lane (under the reader's mutex): a post waits for that to rewrite its fields
+static void leave_lane(struct empanel_reader * reader, int32_t lane) {
+    if (atomic_fetch_sub(&reader->posted[lane].busy, 1) == 1) {
+        pthread_cond_broadcast(&reader->cond_done);
+    }
+}
+
+// io_uring: the ring thread's lanes, as it works them
+struct ring_lane {
+    int      in;         // inside the lane (busy): it may take chunks and has reads of it in flight
+    int      taking;     // chunks of the lane are left to take
+    uint64_t batch;      // the lane's batch it is in (reader->posts[lane] when it went in)
+    int32_t  in_flight;  // reads of the lane in the ring
+};
+
 // the kernel stopped answering with reads in flight: they and the chunks not taken fail
-static void ring_lost(struct empanel_reader * reader, struct empanel_ring_read ** free_reads, int32_t n_free) {
+static void ring_lost(struct empanel_reader * reader, struct ring_lane * lanes, struct empanel_ring_read ** free_reads,
+                      int32_t n_free) {
     struct empanel_ring * ring = reader->ring;
     atomic_store(&reader->ring_state, RING_LOST);
     empanel_set_error(reader->pool, "empanel: io_uring stopped answering (%s) with %d reads in flight; no "
@@ -293,80 +349,141 @@ static void ring_lost(struct empanel_reader * reader, struct empanel_ring_read *
             is_free |= free_reads[m] == &reader->ring_ops[k];
         }
         if (!is_free) {
-            land_chunk(reader, reader->ring_ops[k].chunk, CHUNK_FAILED);
+            struct empanel_ring_read * r = &reader->ring_ops[k];
+            land_chunk(reader, &reader->posted[r->lane], r->chunk, CHUNK_FAILED);
+            lanes[r->lane].in_flight--;
         }
     }
-    fail_rest(reader);
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        if (lanes[lane].in) {
+            fail_rest(reader, &reader->posted[lane]);
+            lanes[lane].taking = 0;
+        }
+    }
 }
 
-// take chunks of the posted batch into the ring until none is left, keeping up to depth in
-// flight, and land each as it completes
-static void work_batch_ring(struct empanel_reader * reader) {
+// the next chunk for the ring: a lane it is in, the demand lane first, with room for it (the
+// read-ahead lane keeps a quarter of the depth in flight at most, until its caller waits for it);
+// -1 if none. *chunk: its index
+static int32_t ring_next_chunk(struct empanel_reader * reader, struct ring_lane * lanes, int * chunk) {
+    const int32_t ahead_max = reader->depth / 4 > 0 ? reader->depth / 4 : 1;
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        struct ring_lane * l = &lanes[lane];
+        if (!l->in || !l->taking ||
+            (lane == EMPANEL_LANE_AHEAD && l->in_flight >= ahead_max && !atomic_load(&reader->posted[lane].waited))) {
+            continue;
+        }
+        const int i = atomic_fetch_add(&reader->posted[lane].next, 1);
+        if (i < reader->posted[lane].n_chunks) {
+            *chunk = i;
+            return lane;
+        }
+        l->taking = 0;
+        lane--; // (the same lane again: it leaves the loop as not taking)
+    }
+    return -1;
+}
+
+// io_uring: the ring thread. It goes into a lane when a batch is posted there, keeps up to depth
+// chunks in flight (the demand lane's first), lands each as it completes, and leaves a lane once
+// it has no chunk left to take there and none in flight. A ring that broke (RING_OFF) reads with
+// pread; a lost one (RING_LOST) fails every chunk
+static void ring_thread(struct empanel_reader * reader) {
     struct empanel_ring * ring = reader->ring;
-    if (atomic_load(&reader->ring_state) == RING_OFF) {
-        work_batch(reader, reader->bounce[0]);
-        return;
-    }
-    const uint64_t cpu0 = empanel_thread_cpu_ns();
-    if (atomic_load(&reader->ring_state) == RING_LOST) {
-        empanel_set_error(reader->pool, "empanel: io_uring lost reads earlier in this process (see the first "
-                          "error); reload the model with EMPANEL_READ_IO=threads");
-        fail_rest(reader);
-        atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
-        return;
-    }
+    struct ring_lane lanes[EMPANEL_N_LANES];
+    memset(lanes, 0, sizeof(lanes));
     struct empanel_ring_read * free_reads[EMPANEL_MAX_QUEUE_DEPTH];
     int32_t n_free = 0;
     for (int32_t k = reader->depth - 1; k >= 0; k--) {
         free_reads[n_free++] = &reader->ring_ops[k];
     }
-    int taking = 1;
+    uint64_t cpu_mark = empanel_thread_cpu_ns();
+    pthread_mutex_lock(&reader->mutex);
     for (;;) {
-        while (taking && n_free > 0 && empanel_ring_room(ring) > 0) {
-            const int i = atomic_fetch_add(&reader->posted.next, 1);
-            if (i >= reader->posted.n_chunks) {
-                taking = 0;
+        // leave the lanes done with, go into those with a new batch
+        int any = 0;
+        for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+            struct ring_lane * l = &lanes[lane];
+            if (l->in && l->taking && atomic_load(&reader->posted[lane].next) >= reader->posted[lane].n_chunks) {
+                l->taking = 0; // (every chunk taken: it need not wait for a free read to find out)
+            }
+            if (l->in && !l->taking && l->in_flight == 0) {
+                l->in = 0;
+                leave_lane(reader, lane);
+            }
+            const uint64_t posts = atomic_load(&reader->posts[lane]);
+            if (!l->in && posts != l->batch) {
+                l->in     = 1;
+                l->taking = 1;
+                l->batch  = posts;
+                atomic_fetch_add(&reader->posted[lane].busy, 1);
+            }
+            any |= l->in;
+        }
+        if (!any) {
+            if (reader->stop) {
                 break;
             }
-            enum chunk_outcome outcome = chunk_before_read(reader, &reader->posted.chunks[i]);
-            if (outcome == CHUNK_READ && ring_prepare(reader, i, free_reads[n_free - 1]) != 0) {
+            pthread_cond_wait(&reader->cond_work, &reader->mutex);
+            continue;
+        }
+        pthread_mutex_unlock(&reader->mutex);
+
+        const int state = atomic_load(&reader->ring_state);
+        if (state != RING_OK) { // broken: pread, a lane at a time; lost: every chunk fails
+            for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+                if (lanes[lane].in && lanes[lane].taking && lanes[lane].in_flight == 0) {
+                    if (state == RING_LOST) {
+                        empanel_set_error(reader->pool, "empanel: io_uring lost reads earlier in this process (see "
+                                          "the first error); reload the model with EMPANEL_READ_IO=threads");
+                        fail_rest(reader, &reader->posted[lane]);
+                        lanes[lane].taking = 0;
+                    } else if (work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]),
+                                          reader->bounce[0])) {
+                        lanes[lane].taking = 0; // (else a demand batch came: that one first)
+                    }
+                }
+            }
+            cpu_mark = empanel_thread_cpu_ns();
+            pthread_mutex_lock(&reader->mutex);
+            continue;
+        }
+        int     i    = 0;
+        int32_t lane = -1;
+        while (n_free > 0 && empanel_ring_room(ring) > 0 && (lane = ring_next_chunk(reader, lanes, &i)) >= 0) {
+            struct empanel_posted * p = &reader->posted[lane];
+            enum chunk_outcome outcome = chunk_before_read(reader, p, &p->chunks[i]);
+            if (outcome == CHUNK_READ && ring_prepare(reader, lane, i, free_reads[n_free - 1]) != 0) {
                 outcome = CHUNK_FAILED;
             }
             if (outcome != CHUNK_READ) {
-                land_chunk(reader, i, outcome);
+                land_chunk(reader, p, i, outcome);
                 continue;
             }
             empanel_ring_queue(ring, free_reads[--n_free]);
+            lanes[lane].in_flight++;
         }
-        if (empanel_ring_in_flight(ring) == 0) {
-            break;
+        if (empanel_ring_in_flight(ring) > 0) {
+            struct empanel_ring_read * r = empanel_ring_reap(ring);
+            if (r == NULL) {
+                ring_lost(reader, lanes, free_reads, n_free);
+            } else {
+                struct empanel_posted * p = &reader->posted[r->lane];
+                lanes[r->lane].in_flight--;
+                land_chunk(reader, p, r->chunk, ring_landed(reader, r));
+                free_reads[n_free++] = r;
+                // its CPU since the last landing: counted before the thread leaves the lane
+                const uint64_t now = empanel_thread_cpu_ns();
+                atomic_fetch_add(&p->cpu_ns, now - cpu_mark);
+                cpu_mark = now;
+            }
         }
-        struct empanel_ring_read * r = empanel_ring_reap(ring);
-        if (r == NULL) {
-            ring_lost(reader, free_reads, n_free);
-            break;
+        if (atomic_load(&reader->ring_state) == RING_OK && empanel_ring_broken(ring) && empanel_ring_in_flight(ring) == 0) {
+            atomic_store(&reader->ring_state, RING_OFF); // (its reads failed their batch; the next ones are preads)
         }
-        land_chunk(reader, r->chunk, ring_landed(reader, r));
-        free_reads[n_free++] = r;
+        pthread_mutex_lock(&reader->mutex);
     }
-    if (atomic_load(&reader->ring_state) == RING_OK && empanel_ring_broken(ring)) {
-        atomic_store(&reader->ring_state, RING_OFF); // (its reads failed this batch; the next ones are preads)
-    }
-    atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
-}
-
-// take chunks of the posted batch until none is left
-static void work_batch(struct empanel_reader * reader, uint8_t * bounce) {
-    const uint64_t cpu0 = empanel_thread_cpu_ns();
-    for (;;) {
-        const int i = atomic_fetch_add(&reader->posted.next, 1);
-        if (i >= reader->posted.n_chunks) {
-            break;
-        }
-        work_chunk(reader, i, bounce);
-    }
-    // counted before this thread leaves the batch: empanel_batch_finish waits for that (busy)
-    atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    pthread_mutex_unlock(&reader->mutex);
 }
 
 struct thread_arg {
@@ -374,35 +491,37 @@ struct thread_arg {
     int32_t                 index;
 };
 
+// a reader thread (pread): it takes the chunks of the lanes' batches, the demand lane first
 static void * reader_thread(void * arg_) {
     struct thread_arg * arg = arg_;
     struct empanel_reader * reader = arg->reader;
     uint8_t * bounce = reader->bounce[arg->index];
     free(arg);
+    if (reader->ring != NULL) {
+        ring_thread(reader);
+        return NULL;
+    }
 
-    uint64_t seen = 0;
+    uint64_t taken[EMPANEL_N_LANES] = { 0 }; // per lane: the batches it took every chunk of
     pthread_mutex_lock(&reader->mutex);
     for (;;) {
-        while (!reader->stop && reader->generation == seen) {
+        int32_t lane = -1;
+        while (!reader->stop && (lane = lane_to_take(reader, taken)) < 0) {
             pthread_cond_wait(&reader->cond_work, &reader->mutex);
         }
         if (reader->stop) {
             break;
         }
-        seen = reader->generation;
-        atomic_fetch_add(&reader->posted.busy, 1);
+        const uint64_t batch  = atomic_load(&reader->posts[lane]);
+        const uint64_t demand = atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]);
+        atomic_fetch_add(&reader->posted[lane].busy, 1);
         pthread_mutex_unlock(&reader->mutex);
 
-        if (reader->ring != NULL) {
-            work_batch_ring(reader);
-        } else {
-            work_batch(reader, bounce);
-        }
+        const int all = work_batch(reader, lane, demand, bounce);
 
         pthread_mutex_lock(&reader->mutex);
-        if (atomic_fetch_sub(&reader->posted.busy, 1) == 1) {
-            pthread_cond_broadcast(&reader->cond_done);
-        }
+        taken[lane] = all ? batch : taken[lane];
+        leave_lane(reader, lane);
     }
     pthread_mutex_unlock(&reader->mutex);
     return NULL;
@@ -476,6 +595,7 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
     reader->direct      = 0;
     reader->bounce_all  = getenv("EMPANEL_READ_BOUNCE") != NULL && atoi(getenv("EMPANEL_READ_BOUNCE")) != 0;
     reader->drop_ahead  = getenv("EMPANEL_READ_AHEAD_KEEP") == NULL || atoi(getenv("EMPANEL_READ_AHEAD_KEEP")) == 0;
+    reader->beside      = getenv("EMPANEL_READ_AHEAD_BESIDE") == NULL || atoi(getenv("EMPANEL_READ_AHEAD_BESIDE")) != 0;
     for (int32_t i = 0; i < pool->n_files; i++) {
         reader->direct |= pool->files[i].fd_direct >= 0;
     }
@@ -563,76 +683,82 @@ void empanel_reader_stop(struct empanel_pool * pool) {
     reader->pool = NULL;
 }
 
-// post the chunks to the reader threads
-void empanel_reader_post(struct empanel_pool * pool, struct empanel_read_job * jobs,
+// post the chunks to the reader threads in a lane
+void empanel_reader_post(struct empanel_pool * pool, int32_t lane, struct empanel_read_job * jobs,
                          const struct empanel_chunk * chunks, int32_t n_chunks,
                          const struct empanel_layer * layer, int by_tensor, const int32_t * n_landing,
                          const int32_t * chunk_end) {
     struct empanel_reader * reader = &pool->reader;
+    struct empanel_posted * p      = &reader->posted[lane];
     pthread_mutex_lock(&reader->mutex);
-    // a thread that woke late for the previous batch must leave it before the fields change
-    while (atomic_load(&reader->posted.busy) > 0) {
+    // a thread that came late into the lane's previous batch must leave it before the fields change
+    while (atomic_load(&p->busy) > 0) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
-    atomic_store(&reader->posted.batch_failed, 0);
-    atomic_store(&reader->posted.cpu_ns, 0);
-    atomic_store(&reader->posted.skipped_io, 0);
-    atomic_store(&reader->posted.skipped_bounce, 0);
-    reader->posted.jobs      = jobs;
-    reader->posted.chunks    = chunks;
-    reader->posted.n_chunks  = n_chunks;
-    reader->posted.by_tensor = by_tensor;
-    reader->posted.tensors   = layer->tensors;
+    atomic_store(&p->batch_failed, 0);
+    atomic_store(&p->waited, 0);
+    atomic_store(&p->cpu_ns, 0);
+    atomic_store(&p->skipped_io, 0);
+    atomic_store(&p->skipped_bounce, 0);
+    p->jobs      = jobs;
+    p->chunks    = chunks;
+    p->n_chunks  = n_chunks;
+    p->by_tensor = by_tensor;
+    p->tensors   = layer->tensors;
     for (int32_t i = 0; i < EMPANEL_MAX_TENSORS; i++) {
-        atomic_store(&reader->posted.tensor_left[i], i < layer->n_tensors ? n_landing[i] : 0);
-        reader->posted.tensor_chunk_end[i] = i < layer->n_tensors ? chunk_end[i] : 0;
+        atomic_store(&p->tensor_left[i], i < layer->n_tensors ? n_landing[i] : 0);
+        p->tensor_chunk_end[i] = i < layer->n_tensors ? chunk_end[i] : 0;
     }
-    reader->posted.done_ns  = 0;
-    atomic_store(&reader->posted.next, 0);
-    atomic_store(&reader->posted.done, 0);
-    reader->generation++;
+    p->done_ns = 0;
+    atomic_store(&p->next, 0);
+    atomic_store(&p->done, 0);
+    atomic_fetch_add(&reader->posts[lane], 1);
     pthread_cond_broadcast(&reader->cond_work);
     pthread_mutex_unlock(&reader->mutex);
 }
 
-// read the posted batch's chunks alongside the threads (io_uring: wait for the ring's thread) and
+// read a lane's posted chunks alongside the threads (io_uring: wait for the ring's thread) and
 // return when every chunk is done
-void empanel_reader_finish(struct empanel_pool * pool) {
+void empanel_reader_finish(struct empanel_pool * pool, int32_t lane) {
     struct empanel_reader * reader = &pool->reader;
+    struct empanel_posted * p      = &reader->posted[lane];
+    atomic_store(&p->waited, 1);
     if (reader->ring == NULL) { // (io_uring: the ring's thread reads it all)
-        work_batch(reader, reader->bounce[reader->n_bounce - 1]);
+        // (the caller posts the demand lane's batches itself: none comes while it reads this one)
+        work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]), reader->bounce[reader->n_bounce - 1]);
     }
 
-    // every chunk done, and no thread still inside work_batch (it reads the batch's fields)
+    // every chunk done, and no thread still inside the lane (it reads the batch's fields)
     pthread_mutex_lock(&reader->mutex);
-    while (atomic_load(&reader->posted.done) < reader->posted.n_chunks || atomic_load(&reader->posted.busy) > 0) {
+    while (atomic_load(&p->done) < p->n_chunks || atomic_load(&p->busy) > 0) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
-    reader->posted.by_tensor = 0;
+    p->by_tensor = 0;
     pthread_mutex_unlock(&reader->mutex);
 }
 
-// wait until the posted batch's experts of tensor ti have landed, taking its chunks (and the ones
+// wait until the demand lane's experts of tensor ti have landed, taking its chunks (and the ones
 // before them) alongside the threads; 0, or -1 if a read of the batch failed
 int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     struct empanel_reader * reader = &pool->reader;
-    const int      limit = reader->posted.tensor_chunk_end[ti];
+    struct empanel_posted * p      = &reader->posted[EMPANEL_LANE_DEMAND];
+    const int      limit = p->tensor_chunk_end[ti];
     const uint64_t cpu0  = empanel_thread_cpu_ns();
-    int i = atomic_load(&reader->posted.next);
+    int i = atomic_load(&p->next);
     while (reader->ring == NULL && i < limit) { // (io_uring: the ring's thread reads it all)
-        if (atomic_compare_exchange_weak(&reader->posted.next, &i, i + 1)) {
-            work_chunk(reader, i, reader->bounce[reader->n_bounce - 1]);
-            i = atomic_load(&reader->posted.next);
+        if (atomic_compare_exchange_weak(&p->next, &i, i + 1)) {
+            work_chunk(reader, p, i, reader->bounce[reader->n_bounce - 1]);
+            i = atomic_load(&p->next);
         }
     }
-    atomic_fetch_add(&reader->posted.cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    atomic_fetch_add(&p->cpu_ns, empanel_thread_cpu_ns() - cpu0);
 
     pthread_mutex_lock(&reader->mutex);
-    while (atomic_load(&reader->posted.tensor_left[ti]) > 0 && !atomic_load(&reader->posted.batch_failed)) {
+    while (atomic_load(&p->tensor_left[ti]) > 0 && !atomic_load(&p->batch_failed)) {
         pthread_cond_wait(&reader->cond_done, &reader->mutex);
     }
     pthread_mutex_unlock(&reader->mutex);
-    return atomic_load(&reader->posted.batch_failed) ? -1 : 0;
+    return atomic_load(&p->batch_failed) ? -1 : 0;
 }
 
 int empanel_reader_lost(const struct empanel_pool * pool) {

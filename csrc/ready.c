@@ -17,9 +17,10 @@ int32_t empanel_ready(void * user, int32_t il, const void * pool_tensor) {
             layer->ready.rank[ti]    = layer->ready.next++;
         }
         // the layer's last tensor: its batch is accounted for here, nothing stays in flight
-        const int last = empanel_ready_all_seen(layer) && pool->batch.inflight && pool->reader.posted.by_tensor &&
-                         pool->batch.layer == layer;
-        if (empanel_batch_wait_tensor(pool, layer, ti) != 0 || (last && empanel_batch_finish(pool) != 0)) {
+        const int last = empanel_ready_all_seen(layer) && empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, layer) &&
+                         pool->reader.posted[EMPANEL_LANE_DEMAND].by_tensor;
+        if (empanel_batch_wait_tensor(pool, layer, ti) != 0 ||
+            (last && empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0)) {
             empanel_batch_finish(pool); // nothing stays in flight after a failure
             if (!atomic_load(&pool->failed)) {
                 empanel_set_error(pool, "reading the experts of layer %d failed", il);

@@ -26,7 +26,7 @@
 // cores that CPU taken from the compute cost more than the overlap gave (decode 1.0 vs 1.5 t/s
 // on the 48-layer 30B shape under the cap, docs/performance.md)
 static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer) {
-    if (!layer->ready.armed || pool->lab || pool->batch.inflight) {
+    if (!layer->ready.armed || pool->lab || empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL)) {
         return 0;
     }
     for (int32_t i = 0; i < layer->n_tensors; i++) {
@@ -70,9 +70,10 @@ static struct empanel_layer * remap_layer(struct empanel_pool * pool, int32_t il
     return &pool->layers[il];
 }
 
-// every remap call begins so: a read-ahead not posted by now comes too late, and the batch in
-// flight is finished (a read-ahead of this layer first loses the experts it does not route to,
-// when drop_unrouted). The layer, or NULL with the error recorded
+// every remap call begins so: a read-ahead not posted by now comes too late, and the batches in
+// flight are finished (a read-ahead of this layer first loses the experts it does not route to,
+// when drop_unrouted), but for a read-ahead of another layer that may stay beside this layer's
+// reads (empanel_batch_beside). The layer, or NULL with the error recorded
 static struct empanel_layer * remap_begin(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
                                           int64_t ids_row_stride, int32_t n_used, int32_t n_tokens, int drop_unrouted) {
     struct empanel_layer * layer = remap_layer(pool, il);
@@ -83,7 +84,13 @@ static struct empanel_layer * remap_begin(struct empanel_pool * pool, int32_t il
     if (drop_unrouted) {
         empanel_batch_drop_unrouted(pool, layer, expert_ids, ids_row_stride, n_used, n_tokens);
     }
-    return empanel_batch_finish(pool) == 0 ? layer : NULL;
+    const struct empanel_batch * ahead = &pool->batch[EMPANEL_LANE_AHEAD];
+    const int keep_ahead = ahead->inflight && ahead->beside && ahead->layer != layer && empanel_batch_beside(pool, layer);
+    if (empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0 ||
+        (!keep_ahead && empanel_batch_finish_lane(pool, EMPANEL_LANE_AHEAD) != 0)) {
+        return NULL;
+    }
+    return layer;
 }
 
 // a micro-batch starts in the layer: what an earlier one left open is reconciled, the LRU clock
@@ -411,7 +418,7 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
     // this wave's experts in this tensor's slots (normally read while the previous wave computed)
     const int32_t n_missing = wave_missing(layer, ti, wave);
     if (n_missing > 0 && (empanel_batch_post(pool, layer, ti, layer->tables.misses, layer->tables.victims, n_missing) != 0 ||
-                          empanel_batch_finish(pool) != 0)) {
+                          empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0)) {
         return -1;
     }
     for (int32_t t = 0; t < n_tokens; t++) {

@@ -73,10 +73,11 @@ class Llama(llama_cpp.Llama):
             it names are evicted last by the next layer. Costs one small matmul per layer, no
             reads; outputs are unchanged.
         moe_prefetch: N > 0 also reads the guessed experts that are not resident while the
-            layer N or fewer layers before computes (guesses made N layers ahead; one batch of
-            reads in flight, demand reads first, the likeliest guesses first). When the guessed
-            layer's remap comes, the reads of guesses it does not route to are dropped unread.
-            0 (default): no read-ahead.
+            layer N or fewer layers before computes (guesses made N layers ahead; read in a lane
+            of their own behind the layer's own reads, the likeliest guesses first). When the
+            guessed layer's remap comes, the reads of guesses it does not route to are dropped
+            unread. "auto" (default): 1 where the pools page in the plain layout under a
+            per-layer policy (measured faster there), else 0. 0: no read-ahead.
         moe_subst: routing substitution, opt-in and inexact: a ratio r in (0, 1]. When a routed expert
             is not resident, the best resident expert among the router's next top-k choices
             stands in if its score is at least r x the missing one's, with its own routing weight.
@@ -116,7 +117,7 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path, *args, moe_slots=None, moe_policy="auto", moe_io_threads=8,
                  moe_chunk_kb=256, moe_read_io="auto", moe_queue_depth=32, moe_direct_io=True, moe_trace=False,
-                 moe_preload=None, moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch=0, moe_subst=None,
+                 moe_preload=None, moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch="auto", moe_subst=None,
                  moe_verify=False, moe_repack="auto", moe_host_cache=None, moe_host_cache_unified=False,
                  moe_mtp=False, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None

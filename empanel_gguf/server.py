@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from . import llama_cpp  # our libraries first
 from .planning.host_memory import available_memory, parse_floor, peak_rss
@@ -69,9 +69,10 @@ class EmpanelModelSettings(ModelSettings):
                     "layer) or g-lru (one budget for all layers).")
     moe_resident_layers: int = Field(
         default=0, description="The first N MoE layers keep every expert in memory (no pool).")
-    moe_prefetch: int = Field(
-        default=0, description="Read the gate-ahead guess's experts that are not resident, N layers ahead "
-                               "(0: the guess only orders eviction).")
+    moe_prefetch: Union[int, str] = Field(
+        default="auto", description="Read the gate-ahead guess's experts that are not resident, N layers ahead "
+                                    "(0: the guess only orders eviction); auto: 1 where the pools page in the "
+                                    "plain layout under a per-layer policy, else 0.")
     moe_subst: Optional[float] = Field(
         default=None, description="Routing substitution, INEXACT: a resident expert among the router's next "
                                   "choices stands in for a missing one if its score is at least this share of "
@@ -195,7 +196,7 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             settings.n_gpu_layers = given["n_gpu_layers"]
         moe = dict(moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
                    moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
-                   moe_prefetch=getattr(settings, "moe_prefetch", 0), moe_subst=getattr(settings, "moe_subst", None),
+                   moe_prefetch=getattr(settings, "moe_prefetch", "auto"), moe_subst=getattr(settings, "moe_subst", None),
                    moe_verify=getattr(settings, "moe_verify", False),
                    moe_profile=getattr(settings, "moe_profile", "auto"))
         load = None

@@ -27,7 +27,7 @@ import json, sys, time
 from empanel_gguf import Llama
 model, slots, threads, path, n_prompt, n_gen = sys.argv[1:7]
 n_prompt, n_gen = int(n_prompt), int(n_gen)
-llm = Llama(model, moe_slots=int(slots), n_threads=int(threads), n_ctx=n_prompt + n_gen + 8, verbose=False)
+llm = Llama(model, moe_slots=int(slots), moe_prefetch=0, n_threads=int(threads), n_ctx=n_prompt + n_gen + 8, verbose=False)
 tokens = llm.tokenize(open(path, encoding="utf-8").read().encode())[:n_prompt]
 gen = llm.generate(tokens, temp=0.0, reset=True)
 next(gen)  # the prompt evaluated, its first token sampled
@@ -85,7 +85,8 @@ def main():
                          capture_output=True, text=True, check=True)
     (out / "fit.json").write_text(fit.stdout)
     rows = json.loads(fit.stdout)["rows"]
-    configs = ",".join(f"empanel-{r['slots']}@none" for r in rows)  # (uncapped: the budget is the slots')
+    # (uncapped: the budget is the slots'; no read-ahead, as fit predicts)
+    configs = ",".join(f"empanel-{r['slots']}/prefetch=0@none" for r in rows)
     subprocess.run([sys.executable, "-m", "empanel_gguf", "bench", "-m", args.model, "-p", str(args.n_prompt),
                     "-n", str(args.n_gen), "-r", str(args.repetitions), "-t", str(args.threads),
                     "--configs", configs, "--json", str(out / "bench.json")], check=True)

@@ -135,5 +135,7 @@ def test_config_options_reach_llama():
     assert cfg.plain and cfg.sync and not cfg.bounce
     (cfg,) = parse_config("empanel-25%/plain/prefetch=1/EMPANEL_READ_AHEAD_KEEP=1@cap", top_k=8)
     assert cfg.env == {"EMPANEL_READ_AHEAD_KEEP": "1"} and cfg.moe_opts == {"moe_prefetch": 1}
+    (cfg,) = parse_config("stock/plain@none", top_k=8)  # stock resident as llama.cpp --no-repack
+    assert cfg.kind == "stock" and cfg.plain and cfg.moe_slots is None and cfg.key == "stock/plain@none"
     with pytest.raises(SystemExit, match="neither a policy"):
         parse_config("empanel-25%/fifo", top_k=8)

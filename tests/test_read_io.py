@@ -64,6 +64,22 @@ def test_both_paths_equal_stock(fixture_dir, read_io, name):
         assert np.array_equal(logits, ref_logits), moe_slots
 
 
+@pytest.mark.parametrize("name", ["qwen3moe-q4_k", "qwen3moe-f32"])
+def test_read_ahead_beside_the_layers_reads(fixture_dir, read_io, name):
+    """moe_prefetch: the next layer's guessed experts are posted in the read-ahead lane while the
+    layer computing now still has its own reads in flight in the demand lane, and read behind
+    them (prefetch_beside counts such read-aheads); with 1 and 2 layers ahead, short reads, on
+    this path: stock --no-repack's logits and tokens."""
+    path = fixtures.write_fixture(name, fixture_dir)
+    ref_logits, ref_tokens, _ = stock(path, False)
+    for prefetch in (1, 2):
+        logits, tokens, stats = run(path, "25%", moe_prefetch=prefetch)
+        t = stats["total"]
+        assert stats["exact_to"] == "llama.cpp --no-repack" and stats["read_io"] == read_io
+        assert t["prefetched"] > 0 and t["prefetch_beside"] > 0 and t["overlapped"] > 0, t
+        assert tokens == ref_tokens and np.array_equal(logits, ref_logits), prefetch
+
+
 @pytest.mark.parametrize("direct_io", [True, False])
 def test_short_reads_are_read_to_the_end(fixture_dir, read_io, monkeypatch, direct_io):
     """EMPANEL_FAULT_SHORT_READS=1: every request first asks for half its bytes, as a read that

@@ -166,7 +166,7 @@ def test_no_repack_is_stock_no_repack(fixture_dir, name, capfd):
 
     ref, ref_tokens, _ = run()
     capfd.readouterr()
-    got, tokens, stats = run(moe_slots=4)
+    got, tokens, stats = run(moe_slots=4, moe_prefetch=0)  # (read-ahead dropped mid-expert bounces its edges)
     err = capfd.readouterr().err
     assert "CPU slot pools size" in err and "CPU_REPACK slot pools" not in err, err[-2000:]
     assert stats["total"]["n_waves"] > stats["total"]["n_remaps"]  # the prompt ran in waves
@@ -191,6 +191,33 @@ def test_repack_auto_is_a_rule(fixture_dir, monkeypatch):
     assert resolve_repack("auto", paged)  # masked waves over plain Q4_K pools are not exact yet
     with pytest.raises(ValueError, match="moe_repack='plain'"):
         resolve_repack("plain", paged)
+
+
+def test_prefetch_auto_is_a_rule(fixture_dir):
+    """moe_prefetch="auto" (the default) resolves at plan time, by rule: one layer read ahead where
+    the pools page in the plain layout under a per-layer policy with the guess on; none where the
+    pools hold every expert, are repacked, share g-lru's budget, or nothing guesses; a number
+    forces it; anything else is refused. The load and llama.cpp's plan carry the number."""
+    from empanel_gguf.planning.plan import moe_options, plan_load, resolve_prefetch
+
+    path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
+    index = load_index(path)
+    paged, full = plan_slots(index, 4), plan_slots(index, index.n_expert)
+    assert resolve_prefetch("auto", paged, False, "lfu-decay") == 1
+    assert resolve_prefetch("auto", paged, False, "lru") == 1
+    assert resolve_prefetch("auto", paged, True, "lfu-decay") == 0      # repacked: the readers repack
+    assert resolve_prefetch("auto", paged, False, "g-lru") == 0         # no read-ahead beside other reads
+    assert resolve_prefetch("auto", paged, False, "lfu-decay", guess=False) == 0
+    assert resolve_prefetch("auto", full, False, "lfu-decay") == 0      # nothing to read
+    assert resolve_prefetch("auto", None, True, "lfu-decay") == 0       # stock
+    assert resolve_prefetch(0, paged, False, "lfu-decay") == 0 and resolve_prefetch(2, full, True, "lru") == 2
+    for bad in ("on", -1, True, 1.5):
+        with pytest.raises(ValueError, match="moe_prefetch"):
+            resolve_prefetch(bad, paged, False, "lru")
+    load = plan_load(index, 4, {}, options=moe_options(), guard=False)
+    assert load.options.prefetch == 1 and load.pools.params["prefetch"] == 1 and load.pools.guess_depth == 1
+    load = plan_load(index, 4, {}, options=moe_options(moe_repack=True), guard=False)
+    assert load.options.prefetch == 0 and load.pools.params["prefetch"] == 0
 
 
 def test_each_expert_read_once_per_micro_batch(fixture_dir):
@@ -405,23 +432,37 @@ def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
     """In decode a layer's remap posts its misses and returns; each pool's MUL_MAT_ID first waits
     for its own tensor's reads (empanel_ready), so one tensor's experts compute while the next
     tensor's are read. Plain pools (reads in place) do so, bit-identical to stock --no-repack,
-    with read-ahead too (posted once the overlapped reads are done); CPU_REPACK pools (stock's
-    defaults, where the type has a repacked layout) keep waiting in the remap, bit-identical to
-    stock; EMPANEL_READ_SYNC=1 waits for every read in the remap, as before."""
+    with read-ahead too, posted in its own lane behind the overlapped reads while they are in
+    flight (prefetch_beside), on both read paths; CPU_REPACK pools (stock's defaults, where the
+    type has a repacked layout) keep waiting in the remap, bit-identical to stock, and read ahead
+    only once nothing else is in flight; EMPANEL_READ_SYNC=1 waits for every read in the remap,
+    as before."""
     path = fixtures.write_fixture(name, fixture_dir)
+    layered = len(load_index(path).layers) > 1
     for repack in (True, False):
         ref_logits, ref_tokens, _, _ = (baseline(path, 9) if repack else
                                         run_stock_defaults(path, 9, None, moe_repack=False))
-        for prefetch in (0, 1):
-            logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=prefetch)
-            assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, prefetch)
+        for prefetch, read_io in ((0, "auto"), (1, "auto"), (1, "threads")):
+            logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=prefetch,
+                                                          moe_read_io=read_io)
+            assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, prefetch, read_io)
             t = stats["total"]
             if not repack:  # every decoded token but the first (the ready calls are seen first)
                 assert t["overlapped"] >= N_GREEDY // 2, (prefetch, t)
+                if prefetch and layered:  # the next layer's guesses queued behind this layer's reads
+                    assert t["prefetch_beside"] > 0, (read_io, t)
             elif name == "qwen3moe-q4_k":  # CPU_REPACK pools: the readers repack, no overlap
-                assert t["overlapped"] == 0, (prefetch, t)
-            if prefetch and len(load_index(path).layers) > 1:
+                assert t["overlapped"] == 0 and t["prefetch_beside"] == 0, (prefetch, t)
+            if prefetch and layered:
                 assert t["prefetched"] > 0, t
+    # EMPANEL_READ_AHEAD_BESIDE=0: a read-ahead waits for the layer's reads to close, as before
+    monkeypatch.setenv("EMPANEL_READ_AHEAD_BESIDE", "0")
+    logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=False, moe_prefetch=1)
+    assert tokens == ref_tokens and np.array_equal(logits, ref_logits)  # (the plain reference: repack False last)
+    assert stats["total"]["prefetch_beside"] == 0, stats["total"]
+    if layered:
+        assert stats["total"]["prefetched"] > 0, stats["total"]
+    monkeypatch.delenv("EMPANEL_READ_AHEAD_BESIDE")
     monkeypatch.setenv("EMPANEL_READ_SYNC", "1")
     logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%")
     ref_logits, ref_tokens, _, _ = baseline(path, 9, stats)

@@ -720,7 +720,8 @@ def test_failed_overlapped_read_in_decode(fixture_dir, monkeypatch, name):
         return np.array(rows), reads, llm.moe_stats()["total"]
 
     def load():
-        return Llama(str(path), moe_slots=4, moe_repack=False, moe_preload=False, n_ctx=256,
+        # (no read-ahead: its reads, dropped or not, would move the numbering of the demand reads)
+        return Llama(str(path), moe_slots=4, moe_repack=False, moe_preload=False, moe_prefetch=0, n_ctx=256,
                      logits_all=True, verbose=False)
 
     llm = load()
@@ -872,7 +873,7 @@ try:
 except MoeReadError as e:
     out["raised"], out["n_tokens"], out["before"] = str(e), llm.n_tokens, n
 stats = llm.moe_stats()["total"]
-out["n_reads"], out["prefetched"] = stats["n_reads"], stats["prefetched"]
+out["n_reads"], out["prefetched"], out["beside"] = stats["n_reads"], stats["prefetched"], stats["prefetch_beside"]
 llm.close()
 print(json.dumps(out))
 """
@@ -880,11 +881,12 @@ print(json.dumps(out))
 
 @pytest.mark.usefixtures("read_io")  # on both read paths
 def test_read_failure_while_reading_ahead_raises(fixture_dir):
-    """A read that fails in a read-ahead batch (moe_prefetch=1) surfaces at the guessed layer's
-    remap: the decode raises MoeReadError and takes no token in."""
+    """A read that fails in a read-ahead batch (moe_prefetch=1, in flight beside the reads of the
+    layer computing then: plain pools) or in a layer's own reads surfaces at the next remap or
+    ready op: the decode raises MoeReadError and takes no token in."""
     path = model(fixture_dir, "qwen3moe-f32")
     ok = _child_json(_PREFETCH_FAULT_SCRIPT, path, 0)
-    assert ok["raised"] is None and ok["prefetched"] > 0
+    assert ok["raised"] is None and ok["prefetched"] > 0 and ok["beside"] > 0
     failed = _child_json(_PREFETCH_FAULT_SCRIPT, path, int(0.8 * ok["n_reads"]))
     assert failed["raised"] is not None and "EMPANEL_FAULT_READ_AFTER" in failed["raised"]
     assert failed["n_tokens"] == failed["before"]

@@ -41,6 +41,7 @@ def record(path, n_decode=16, **kwargs):
     waves)."""
     if kwargs.get("moe_slots") is not None:
         kwargs.setdefault("n_ubatch", max(1, kwargs["moe_slots"] // 4))
+    kwargs.setdefault("moe_prefetch", 0)  # read-ahead makes hits of misses: the policy alone is replayed
     llm = load(path, moe_trace=True, **kwargs)
     try:
         rec = Recorder(llm, moe_slots=kwargs.get("moe_slots"), moe_policy=kwargs.get("moe_policy", "lru"))

@@ -59,7 +59,10 @@ def test_verified_reads_leave_the_outputs_unchanged(model, capfd):
             llm.close()
         assert np.array_equal(got, ref)
         n_tensors = len(load_index(path).layers[0].tensors)
-        assert total["verified"] == (total["misses"] + total["preloaded"] + total["prefetched"]) * n_tensors > 0
+        # every expert tensor that landed: read-ahead dropped before an expert landed whole is not
+        read = total["misses"] + total["preloaded"] + total["prefetched"]
+        assert (read - total["prefetch_dropped"]) * n_tensors <= total["verified"] <= read * n_tensors, total
+        assert total["verified"] > 0
         assert total["verify_s"] > 0
     assert "checked against the digests in" in capfd.readouterr().err
 

@@ -55,6 +55,16 @@ def parse_repack(text):
     return "auto" if str(text).strip().lower() == "auto" else parse_bool(text)
 
 
+def parse_prefetch(text):
+    """--moe-prefetch: auto, or a number of layers ahead (0: off)."""
+    value = str(text).strip().lower()
+    if value == "auto":
+        return "auto"
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"not auto or a number of layers: {text!r}")
+
+
 def parse_bool(text):
     value = str(text).strip().lower()
     if value in ("1", "on", "true", "yes", "y", "enabled"):
@@ -169,9 +179,11 @@ def add_moe_args(parser, moe_slots_default="auto"):
     env_arg(parser, "--moe-guess", env="LLAMA_ARG_MOE_GUESS", type=parse_bool, default=True, metavar="on|off",
             help="the gate-ahead guess: the next layer's router on this layer's input; its experts are "
                  "evicted last (no reads)")
-    env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=int, default=0, metavar="N",
-            help="also read the guessed experts that are not resident, N layers ahead; reads of guesses the "
-                 "layer does not route to are dropped when it comes (0: off)")
+    env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=parse_prefetch, default="auto",
+            metavar="auto|N",
+            help="also read the guessed experts that are not resident, N layers ahead, behind the layer's own "
+                 "reads; reads of guesses the layer does not route to are dropped when it comes. auto (default): "
+                 "1 where the pools page in the plain layout under a per-layer policy, else 0 (off)")
     env_arg(parser, "--moe-verify", env="LLAMA_ARG_MOE_VERIFY", type=parse_bool, default=False, metavar="on|off",
             help="check every expert read against its XXH3-64 digest (those empanel-gguf verify saved, else "
                  "its first read's); a mismatch fails the decode")

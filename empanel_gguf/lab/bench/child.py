@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...planning.host_memory import proc_status
 from .host import read_sys
-from .configs import EMPANEL, MMAP
+from .configs import EMPANEL, MMAP, STOCK
 
 
 PROMPT_TEXT = (
@@ -160,7 +160,7 @@ def _llama_kwargs(spec) -> dict:
 
 
 def _load(Llama, spec, kwargs):
-    if spec["kind"] == EMPANEL and spec.get("plain"):  # pools of the plain layout (no CPU_REPACK)
+    if spec["kind"] in (EMPANEL, STOCK) and spec.get("plain"):  # no CPU_REPACK: plain pools, or stock --no-repack
         return Llama(spec["model"], **dict(kwargs, moe_repack=False))  # its moe_stats() say what it ran
     if spec["kind"] == MMAP:  # stock from the mapping: what stock can run where the model does not fit
         from empanel_gguf.llama import model_params

@@ -123,7 +123,7 @@ def setup_arg_parser():
     g.add_argument("-ub", "--n-ubatch", type=int, default=512,
                    help="(default: 512; slot runs keep it: micro-batches larger than the pools run in waves)")
     g.add_argument("--configs", default=None,
-                   help="comma list of stock, stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min|auto>"
+                   help="comma list of stock, stock/plain (--no-repack), stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min|auto>"
                         "[/<moe_policy>][/plain][/bounce][/sync][/<key>=<value>][/EMPANEL_<NAME>=<value>] (moe_<key>, "
                         "e.g. prefetch=1; plain: no CPU repack buffers, so plain pools that reads land in; bounce: no "
                         "read lands in place; sync: reads do not overlap the compute in decode; EMPANEL_<NAME>: an "

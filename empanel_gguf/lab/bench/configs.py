@@ -15,14 +15,15 @@ DEFAULT_CONFIGS = (
 
 @dataclass
 class Config:
-    name: str  # stock | stock-mmap | stock-mmap-ra<KB> | empanel-<moe_slots>
+    name: str  # stock | stock/plain | stock-mmap | stock-mmap-ra<KB> | empanel-<moe_slots>
     cap: str  # none | cap
     kind: str  # stock | stock-mmap | empanel
     moe_slots: object = None  # for empanel: what Llama(moe_slots=) gets
     readahead_kb: int | None = None  # stock-mmap-ra<KB>: read_ahead_kb during the run
     moe_policy: str | None = None  # empanel-<slots>/<policy>: this run's moe_policy
     moe_opts: dict | None = None  # empanel-<slots>/<key>=<value>: this run's moe_<key> (prefetch=1, guess=off)
-    plain: bool = False  # empanel-<slots>/plain: no CPU repack buffers (use_extra_bufts=False): plain pools
+    plain: bool = False  # empanel-<slots>/plain: no CPU repack buffers (use_extra_bufts=False): plain pools;
+                         # stock/plain: stock resident so (llama.cpp --no-repack)
     bounce: bool = False  # empanel-<slots>/bounce: no read lands in place (EMPANEL_READ_BOUNCE=1), the
                           # copies that zero-copy reads save, measured side by side
     sync: bool = False  # empanel-<slots>/sync: every remap waits for its reads (EMPANEL_READ_SYNC=1), the
@@ -44,6 +45,8 @@ def parse_config(text: str, top_k: int) -> list[Config]:
             raise SystemExit(f"bench: config '{text}': the part after @ must be 'none' or 'cap'")
     if name == STOCK:
         kind, slots, ra = STOCK, None, None
+    elif name == STOCK + "/plain":  # stock resident without CPU repack buffers: llama.cpp --no-repack
+        return [Config(name, c, STOCK, plain=True) for c in caps]
     elif name == MMAP:
         kind, slots, ra = MMAP, None, None
     elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():

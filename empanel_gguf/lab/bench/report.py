@@ -60,7 +60,7 @@ def cap_label(bench: Bench, cap: str) -> str:
 
 def slots_label(bench: Bench, row) -> str:
     if row["kind"] == STOCK:
-        return "- (repack)"
+        return "- (no repack)" if row["config"].endswith("/plain") else "- (repack)"
     if row["kind"] == MMAP:
         return "- (mmap)"
     per = row.get("slots_per_layer")
