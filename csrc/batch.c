@@ -241,6 +241,12 @@ int empanel_batch_beside(const struct empanel_pool * pool, const struct empanel_
     return 1;
 }
 
+int empanel_batch_can_post(const struct empanel_pool * pool, int32_t lane, const struct empanel_layer * layer) {
+    const struct empanel_batch * other = &pool->batch[1 - lane];
+    return !pool->batch[lane].inflight &&
+           (!other->inflight || (other->beside && other->layer != layer && empanel_batch_beside(pool, layer)));
+}
+
 // plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer, tensor by
 // tensor (order: their indices in the order to read them, each waited for on its own with
 // empanel_batch_wait_tensor; NULL: in index order) in the demand lane, or (by_expert) expert after
@@ -252,9 +258,7 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
                       int by_expert) {
     const int32_t lane = by_expert ? EMPANEL_LANE_AHEAD : EMPANEL_LANE_DEMAND;
     struct empanel_batch * batch = &pool->batch[lane];
-    const struct empanel_batch * other = &pool->batch[1 - lane];
-    const int beside = empanel_batch_beside(pool, layer);
-    if (batch->inflight || (other->inflight && (!other->beside || !beside || other->layer == layer))) {
+    if (!empanel_batch_can_post(pool, lane, layer)) {
         empanel_set_error(pool, "empanel: reads of layer %d posted while others are in flight",
                           (int) (layer - pool->layers));
         return -1;
@@ -288,7 +292,7 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
         plan_job(pool, batch, layer, i, experts[m], slots[m], &bp);
     }
     batch->inflight     = 1;
-    batch->beside       = beside;
+    batch->beside       = empanel_batch_beside(pool, layer);
     batch->dropped      = 0;
     batch->ahead        = by_expert && pool->reader.drop_ahead;
     batch->layer        = layer;
@@ -396,7 +400,7 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
             if (remote_write_job(pool, layer, job) != 0) {
                 return -1;
             }
-        } else if (empanel_reader_convert(pool, job) != 0) {
+        } else if (empanel_chunk_convert(pool, job) != 0) {
             empanel_host_cache_batch_landed(pool, batch, 0);
             return -1;
         } else {

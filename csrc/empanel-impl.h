@@ -560,10 +560,32 @@ void     empanel_reader_stop (struct empanel_pool * pool);
 // io_uring stopped answering with reads in flight: buffers they may land in must never be freed
 int      empanel_reader_lost (const struct empanel_pool * pool);
 int32_t  empanel_reader_io   (const struct empanel_pool * pool); // EMPANEL_READ_IO_THREADS or _URING, now
+// chunk.c: one chunk of a lane's posted batch p
+// what became of a chunk taken from the posted batch
+enum empanel_chunk_outcome {
+    EMPANEL_CHUNK_READ,    // its bytes are where they go
+    EMPANEL_CHUNK_SKIPPED, // its expert was dropped (a read-ahead not routed): not read
+    EMPANEL_CHUNK_FAILED,  // its read failed, or the batch failed before it was read
+};
+// the outcome of chunk c before it is read: skipped or failed already, else EMPANEL_CHUNK_READ (to read)
+enum empanel_chunk_outcome empanel_chunk_before_read(struct empanel_reader * reader, const struct empanel_posted * p,
+                                                     const struct empanel_chunk * c);
+// chunk i is done; the thread finishing a job's last chunk lands the expert (hash check, repack)
+// and wakes the waiters (the batch's last chunk, a failure, a tensor's last expert)
+void     empanel_chunk_land(struct empanel_reader * reader, struct empanel_posted * p, int i,
+                            enum empanel_chunk_outcome outcome);
+// read chunk i with pread (through `bounce` where it does not land in place) and land it
+void     empanel_chunk_read(struct empanel_reader * reader, struct empanel_posted * p, int i, uint8_t * bounce);
+// chunk i of a lane into a free read r of the ring, as pread would read it; 0, or -1 if it is not
+// to be read (the failpoint). A read the ring reaped: checked as pread's, payload out of its bounce
+int      empanel_chunk_ring_prepare(struct empanel_reader * reader, int32_t lane, int i, struct empanel_ring_read * r);
+enum empanel_chunk_outcome empanel_chunk_ring_landed(struct empanel_reader * reader, const struct empanel_ring_read * r);
+// staging -> slot (repack, or a copy to the device): 0, or -1 with the error recorded
+int      empanel_chunk_convert(struct empanel_pool * pool, const struct empanel_read_job * job);
 // reader.c, for batch.c: post a batch's chunks to the threads in a lane (enum empanel_lane); take
 // the lane's chunks alongside them until every chunk is done; wait until tensor ti's experts
 // have landed (demand batches waited for tensor by tensor; 0, or -1 if a read of the batch
-// failed); staging -> slot (repack, or a copy to the device: 0, or -1 with the error recorded)
+// failed)
 // (by_tensor: tensor i of the layer's jobs that land through the threads are n_landing[i], its
 // chunks end at chunk_end[i])
 void     empanel_reader_post       (struct empanel_pool * pool, int32_t lane, struct empanel_read_job * jobs,
@@ -572,7 +594,6 @@ void     empanel_reader_post       (struct empanel_pool * pool, int32_t lane, st
                                     const int32_t * chunk_end);
 void     empanel_reader_finish     (struct empanel_pool * pool, int32_t lane);
 int      empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti);
-int      empanel_reader_convert      (struct empanel_pool * pool, const struct empanel_read_job * job);
 // read n_misses experts of a layer into their slots (misses[i] -> slots[i]), every tensor of the
 // layer; 0, or -1 with the error recorded
 int      empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
@@ -613,6 +634,9 @@ int      empanel_batch_finish (struct empanel_pool * pool);
 // the layer's pools are plain host memory that reads land in (nothing staged, no host tier, no
 // RPC host) and no other layer's remap evicts its slots (not g-lru)
 int      empanel_batch_beside(const struct empanel_pool * pool, const struct empanel_layer * layer);
+// a batch of `layer` may be posted in `lane` now: the lane is free, and the other one is free or
+// both may be in flight at once (empanel_batch_beside, another layer's)
+int      empanel_batch_can_post(const struct empanel_pool * pool, int32_t lane, const struct empanel_layer * layer);
 // the batch in a lane is in flight (of `layer`, if not NULL)
 static inline int empanel_batch_inflight(const struct empanel_pool * pool, int32_t lane,
                                          const struct empanel_layer * layer) {

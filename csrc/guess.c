@@ -104,8 +104,7 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
     }
     if (distance <= pool->prefetch && !pool->lab && !layer->waves.open && !layer->guess.prefetch_open &&
         !layer->ready.reads_open && !empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL)) {
-        const struct empanel_batch * demand = &pool->batch[EMPANEL_LANE_DEMAND];
-        if (!demand->inflight || (demand->beside && demand->layer != layer && empanel_batch_beside(pool, layer))) {
+        if (empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, layer)) {
             prefetch_guess(pool, layer, n); // (queued behind the reads of the layer computing now)
         } else if (pool->reader.posted[EMPANEL_LANE_DEMAND].by_tensor && pool->deferred_guess == NULL) {
             pool->deferred_guess = layer; // after the overlapped reads of the layer computing now
@@ -120,9 +119,8 @@ void empanel_guess_post_deferred(struct empanel_pool * pool) {
     pool->deferred_guess = NULL;
     // the layer's live guess as it is now: a later guess of it (read-ahead depth >= 2, another
     // distance) rewrote layer->tables.distinct and guess_n, and its remap spends it (guess_live 0)
-    if (layer != NULL && layer->guess.live && !empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL) &&
-        !empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL) && !layer->waves.open && !layer->guess.prefetch_open &&
-        !atomic_load(&pool->failed)) {
+    if (layer != NULL && layer->guess.live && empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, layer) &&
+        !layer->waves.open && !layer->guess.prefetch_open && !atomic_load(&pool->failed)) {
         prefetch_guess(pool, layer, layer->guess.n);
     }
 }

@@ -1,5 +1,5 @@
-// Reading experts: reader threads that take the chunks of the posted batch (batch.c plans it),
-// O_DIRECT reads, verified bytes (the files: files.c).
+// Reading experts: the workers that take the chunks of the posted batches (batch.c plans them,
+// chunk.c reads and lands each one), and the two lanes they are posted in.
 //
 // Every expert tensor of every expert in a batch is cut into chunks, and the reader threads and
 // the calling thread take chunks until none is left, so one expert keeps every thread (and the
@@ -8,17 +8,6 @@
 // empanel_slot_write (backend.c; CPU_REPACK: by the thread that lands an expert's last chunk; device
 // memory: once the batch is read).
 //
-// With O_DIRECT a read is an aligned window around the payload (GGUF data is only 32-byte
-// aligned), and it lands in place, copied by no one, wherever its destination sits at the
-// payload's file offset modulo EMPANEL_ALIGN:
-// - staging: always; each expert gets room for its whole window at that phase;
-// - a plain host pool's slot: when the hook placed the pool at its tensor's phase (llama-empanel
-//   .cpp) and the expert size is a multiple of EMPANEL_ALIGN (then every expert of the tensor
-//   sits at one phase). The window's first and last blocks hold a neighbouring slot's bytes, so
-//   those two go through the bounce buffer (at most EMPANEL_ALIGN bytes of payload copied per
-//   expert); the rest lands in the slot.
-// Anything else lands in the thread's bounce buffer and its payload is copied (stats.bounce_bytes).
-//
 // Two paths issue the reads (struct empanel_pool_params.read_io, EMPANEL_READ_IO):
 // - threads: n_threads reader threads and the caller each take a chunk, pread it, land it, take
 //   the next; the drive sees as many requests as threads;
@@ -26,8 +15,7 @@
 //   them in one system call and lands each as it completes (the same landing: hash, repack, edge
 //   blocks), so the compute threads share the cores with one thread instead of n_threads; the
 //   caller only waits. Where the build or the kernel has no io_uring, the threads, with a notice.
-// Both take chunks in order from the same counter, fail the same way (the same messages, the
-// same failpoint) and land through the same code.
+// Both take chunks in order from the same counter and land them through chunk.c.
 //
 // Two lanes (enum empanel_lane) may each hold a posted batch: a remap's reads (demand) and a
 // read-ahead. The demand lane's chunks are always taken first: a thread reading ahead goes back to
@@ -41,237 +29,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-
-
-// ------------------------------------------------------------------------------------------------
-// one chunk
-
-// the short-read failpoint: the first request of `length` bytes asks for half (a multiple of
-// EMPANEL_ALIGN, for O_DIRECT), or all of it when that is a block or less
-static uint64_t short_read_bytes(uint64_t length) {
-    const uint64_t half = empanel_align_down(length / 2);
-    return half > 0 ? half : length;
-}
-
-// read at least `need` bytes of [offset, offset + length) into dst; a read may end early only at
-// the end of the file, which holds no payload
-static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f, int fd, uint8_t * dst,
-                       uint64_t length, uint64_t offset, uint64_t need) {
-    uint64_t done = 0;
-    while (done < length) {
-        const uint64_t ask = done == 0 && pool->fault.short_reads ? short_read_bytes(length) : length - done;
-        const ssize_t n = pread(fd, dst + done, ask, (off_t) (offset + done));
-        if (n < 0 && errno == EINTR) {
-            continue;
-        }
-        if (n < 0) {
-            empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s", f->path,
-                              (unsigned long long) (length - done), (unsigned long long) (offset + done), strerror(errno));
-            return -1;
-        }
-        if (n == 0) {
-            break;
-        }
-        done += (uint64_t) n;
-    }
-    if (done < need) {
-        empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
-                          f->path, (unsigned long long) offset, (unsigned long long) done, (unsigned long long) need);
-        return -1;
-    }
-    return 0;
-}
-
-// moe_verify: the expert's bytes, all landed in job->dst (the slot, or staging before the
-// conversion), against its digest; an unknown digest is taken from this first read
-static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job) {
-    const uint64_t t0 = empanel_now_ns();
-    const uint64_t h = empanel_hash64(job->dst, job->tensor->expert_size);
-    uint64_t * want = &job->tensor->digest[job->expert];
-    job->verify_ns = empanel_now_ns() - t0;
-    if (*want == 0) {
-        *want = h;
-        return 0;
-    }
-    if (h != *want) {
-        empanel_set_error(pool,
-            "%s: expert %d read from %s does not match its digest (XXH3-64 %016llx, expected %016llx): "
-            "the file changed or the drive returned other bytes; reload the model, and check the file "
-            "with empanel-gguf verify", job->tensor->name, job->expert, pool->files[job->tensor->file].path,
-            (unsigned long long) h, (unsigned long long) *want);
-        return -1;
-    }
-    return 0;
-}
-
-// staging -> slot (repack, or a copy to the device)
-int empanel_reader_convert(struct empanel_pool * pool, const struct empanel_read_job * job) {
-    if (empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
-        empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
-        return -1;
-    }
-    return 0;
-}
-
-// the test failpoint (EMPANEL_FAULT_READ_AFTER / _COUNT): -1 if this read request is to fail
-static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c) {
-    const int64_t request = pool->fault.after > 0 ? atomic_fetch_add(&pool->fault.n_requests, 1) + 1 : 0;
-    if (pool->fault.after > 0 && request >= pool->fault.after &&
-        (pool->fault.count <= 0 || request < pool->fault.after + pool->fault.count)) {
-        empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
-                          pool->files[c->file].path, (unsigned long long) c->length, (unsigned long long) c->offset,
-                          strerror(EIO));
-        return -1;
-    }
-    return 0;
-}
-
-static int read_chunk(struct empanel_reader * reader, const struct empanel_posted * p, const struct empanel_chunk * c,
-                      uint8_t * bounce) {
-    struct empanel_pool * pool = reader->pool;
-    const struct empanel_file * f = &pool->files[c->file];
-    if (read_fault(pool, c) != 0) {
-        return -1;
-    }
-    uint8_t * dst = p->jobs[c->job].dst + c->dst_offset;
-    if (reader->direct && f->fd_direct >= 0) {
-        if (c->in_place) { // the whole window, at an aligned address of the job's own
-            return pread_chunk(pool, f, f->fd_direct, dst - c->skip, c->length, c->offset, c->skip + c->payload);
-        }
-        if (pread_chunk(pool, f, f->fd_direct, bounce, c->length, c->offset, c->skip + c->payload) != 0) {
-            return -1;
-        }
-        memcpy(dst, bounce + c->skip, c->payload);
-        return 0;
-    }
-    return pread_chunk(pool, f, f->fd, dst, c->payload, c->offset + c->skip, c->payload);
-}
-
-// what became of a chunk taken from the posted batch
-enum chunk_outcome {
-    CHUNK_READ,    // its bytes are where they go
-    CHUNK_SKIPPED, // its expert was dropped (a read-ahead not routed): not read
-    CHUNK_FAILED,  // its read failed, or the batch failed before it was read
-};
-
-// the outcome of chunk c before it is read: skipped or failed already, else CHUNK_READ (to read)
-static enum chunk_outcome chunk_before_read(struct empanel_reader * reader, const struct empanel_posted * p,
-                                            const struct empanel_chunk * c) {
-    if (atomic_load(&p->jobs[c->job].dropped)) {
-        return CHUNK_SKIPPED;
-    }
-    return atomic_load(&reader->pool->failed) ? CHUNK_FAILED : CHUNK_READ;
-}
-
-// chunk i of a lane's posted batch is done; the thread finishing a job's last chunk lands the
-// expert (hash check, repack). Waiters are woken by the batch's last chunk, a failure, and
-// (batches waited for tensor by tensor) a tensor's last expert landed
-static void land_chunk(struct empanel_reader * reader, struct empanel_posted * p, int i, enum chunk_outcome outcome) {
-    struct empanel_pool        * pool = reader->pool;
-    const struct empanel_chunk * c    = &p->chunks[i];
-    struct empanel_read_job    * job  = &p->jobs[c->job];
-    int failed = 0;
-    int landed = 0; // the last expert of its tensor in this batch
-    if (outcome == CHUNK_SKIPPED) { // a read-ahead not routed: the expert never lands
-        atomic_fetch_add(&job->skipped, c->payload);
-        atomic_fetch_add(&p->skipped_io, c->length);
-        atomic_fetch_add(&p->skipped_bounce, reader->direct && !c->in_place ? c->payload : 0);
-    } else if (outcome == CHUNK_FAILED) {
-        failed = 1; // skipped or failed: the batch is incomplete
-    } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
-        if (job->tensor->remote && job->tensor->remote_cache && job->tensor->digest == NULL) {
-            job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
-        }
-        if ((job->tensor->digest != NULL && verify_job(pool, job) != 0) ||
-            (job->convert == 1 && empanel_reader_convert(pool, job) != 0)) { // repack it now
-            failed = 1;
-        } else {
-            job->landed = 1;
-            if (p->by_tensor) {
-                const int32_t ti = (int32_t) (job->tensor - p->tensors);
-                landed = atomic_fetch_sub(&p->tensor_left[ti], 1) == 1;
-            }
-        }
-    }
-    if (failed) {
-        atomic_store(&p->batch_failed, 1);
-    }
-    const int last = atomic_fetch_add(&p->done, 1) + 1 == p->n_chunks;
-    if (last || failed || landed) {
-        pthread_mutex_lock(&reader->mutex);
-        if (last) {
-            p->done_ns = empanel_now_ns();
-        }
-        pthread_cond_broadcast(&reader->cond_done);
-        pthread_mutex_unlock(&reader->mutex);
-    }
-}
-
-// read chunk i of a lane's posted batch (threads: pread) and land it
-static void work_chunk(struct empanel_reader * reader, struct empanel_posted * p, int i, uint8_t * bounce) {
-    const struct empanel_chunk * c = &p->chunks[i];
-    enum chunk_outcome outcome = chunk_before_read(reader, p, c);
-    if (outcome == CHUNK_READ && read_chunk(reader, p, c, bounce) != 0) {
-        outcome = CHUNK_FAILED;
-    }
-    land_chunk(reader, p, i, outcome);
-}
-
-// ------------------------------------------------------------------------------------------------
-// io_uring: the ring's reads
-
-// chunk i of a lane into a free read r of the ring (as read_chunk would read it); 0, or -1 if it
-// is not to be read (the failpoint)
-static int ring_prepare(struct empanel_reader * reader, int32_t lane, int i, struct empanel_ring_read * r) {
-    struct empanel_pool        * pool = reader->pool;
-    const struct empanel_chunk * c    = &reader->posted[lane].chunks[i];
-    const struct empanel_file  * f    = &pool->files[c->file];
-    if (read_fault(pool, c) != 0) {
-        return -1;
-    }
-    uint8_t * dst = reader->posted[lane].jobs[c->job].dst + c->dst_offset;
-    r->chunk = i;
-    r->lane  = lane;
-    if (reader->direct && f->fd_direct >= 0) {
-        r->fd     = f->fd_direct;
-        r->buf    = c->in_place ? dst - c->skip : r->bounce;
-        r->length = c->length;
-        r->offset = c->offset;
-    } else {
-        r->fd     = f->fd;
-        r->buf    = dst;
-        r->length = c->payload;
-        r->offset = c->offset + c->skip;
-    }
-    r->first = pool->fault.short_reads ? short_read_bytes(r->length) : 0;
-    return 0;
-}
-
-// a read the ring reaped: checked as pread_chunk checks, the payload out of the bounce buffer
-static enum chunk_outcome ring_landed(struct empanel_reader * reader, const struct empanel_ring_read * r) {
-    struct empanel_pool        * pool = reader->pool;
-    const struct empanel_posted * p   = &reader->posted[r->lane];
-    const struct empanel_chunk * c    = &p->chunks[r->chunk];
-    const struct empanel_file  * f    = &pool->files[c->file];
-    const int      windowed = reader->direct && f->fd_direct >= 0;
-    const uint64_t need     = windowed ? c->skip + c->payload : c->payload;
-    if (r->err != 0) { // (a ring that broke: its later batches are read with pread)
-        empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (io_uring)", f->path,
-                          (unsigned long long) (r->length - r->done), (unsigned long long) (r->offset + r->done),
-                          strerror(r->err));
-        return CHUNK_FAILED;
-    }
-    if (r->done < need) {
-        empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
-                          f->path, (unsigned long long) r->offset, (unsigned long long) r->done, (unsigned long long) need);
-        return CHUNK_FAILED;
-    }
-    if (windowed && !c->in_place) {
-        memcpy(p->jobs[c->job].dst + c->dst_offset, r->bounce + c->skip, c->payload);
-    }
-    return CHUNK_READ;
-}
 
 enum ring_state {
     RING_OK   = 0,
@@ -283,7 +40,7 @@ enum ring_state {
 // every chunk of a lane's posted batch not taken yet fails
 static void fail_rest(struct empanel_reader * reader, struct empanel_posted * p) {
     for (int i = atomic_fetch_add(&p->next, 1); i < p->n_chunks; i = atomic_fetch_add(&p->next, 1)) {
-        land_chunk(reader, p, i, CHUNK_FAILED);
+        empanel_chunk_land(reader, p, i, EMPANEL_CHUNK_FAILED);
     }
 }
 
@@ -302,7 +59,7 @@ static int work_batch(struct empanel_reader * reader, int32_t lane, uint64_t dem
         if (i >= p->n_chunks) {
             break;
         }
-        work_chunk(reader, p, i, bounce);
+        empanel_chunk_read(reader, p, i, bounce);
     }
     // counted before this thread leaves the lane: empanel_batch_finish_lane waits for that (busy)
     atomic_fetch_add(&p->cpu_ns, empanel_thread_cpu_ns() - cpu0);
@@ -330,7 +87,6 @@ static void leave_lane(struct empanel_reader * reader, int32_t lane) {
 // io_uring: the ring thread's lanes, as it works them
 struct ring_lane {
     int      in;         // inside the lane (busy): it may take chunks and has reads of it in flight
-    int      taking;     // chunks of the lane are left to take
     uint64_t batch;      // the lane's batch it is in (reader->posts[lane] when it went in)
     int32_t  in_flight;  // reads of the lane in the ring
 };
@@ -350,16 +106,20 @@ static void ring_lost(struct empanel_reader * reader, struct ring_lane * lanes, 
         }
         if (!is_free) {
             struct empanel_ring_read * r = &reader->ring_ops[k];
-            land_chunk(reader, &reader->posted[r->lane], r->chunk, CHUNK_FAILED);
+            empanel_chunk_land(reader, &reader->posted[r->lane], r->chunk, EMPANEL_CHUNK_FAILED);
             lanes[r->lane].in_flight--;
         }
     }
     for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
         if (lanes[lane].in) {
             fail_rest(reader, &reader->posted[lane]);
-            lanes[lane].taking = 0;
         }
     }
+}
+
+// a lane's posted batch has chunks no thread has taken yet (read by a thread inside the lane)
+static int chunks_left(const struct empanel_posted * p) {
+    return atomic_load(&p->next) < p->n_chunks;
 }
 
 // the next chunk for the ring: a lane it is in, the demand lane first, with room for it (the
@@ -368,18 +128,16 @@ static void ring_lost(struct empanel_reader * reader, struct ring_lane * lanes, 
 static int32_t ring_next_chunk(struct empanel_reader * reader, struct ring_lane * lanes, int * chunk) {
     const int32_t ahead_max = reader->depth / 4 > 0 ? reader->depth / 4 : 1;
     for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
-        struct ring_lane * l = &lanes[lane];
-        if (!l->in || !l->taking ||
-            (lane == EMPANEL_LANE_AHEAD && l->in_flight >= ahead_max && !atomic_load(&reader->posted[lane].waited))) {
+        struct empanel_posted * p = &reader->posted[lane];
+        if (!lanes[lane].in || !chunks_left(p) ||
+            (lane == EMPANEL_LANE_AHEAD && lanes[lane].in_flight >= ahead_max && !atomic_load(&p->waited))) {
             continue;
         }
-        const int i = atomic_fetch_add(&reader->posted[lane].next, 1);
-        if (i < reader->posted[lane].n_chunks) {
+        const int i = atomic_fetch_add(&p->next, 1);
+        if (i < p->n_chunks) {
             *chunk = i;
             return lane;
         }
-        l->taking = 0;
-        lane--; // (the same lane again: it leaves the loop as not taking)
     }
     return -1;
 }
@@ -404,17 +162,13 @@ static void ring_thread(struct empanel_reader * reader) {
         int any = 0;
         for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
             struct ring_lane * l = &lanes[lane];
-            if (l->in && l->taking && atomic_load(&reader->posted[lane].next) >= reader->posted[lane].n_chunks) {
-                l->taking = 0; // (every chunk taken: it need not wait for a free read to find out)
-            }
-            if (l->in && !l->taking && l->in_flight == 0) {
+            if (l->in && !chunks_left(&reader->posted[lane]) && l->in_flight == 0) {
                 l->in = 0;
                 leave_lane(reader, lane);
             }
             const uint64_t posts = atomic_load(&reader->posts[lane]);
             if (!l->in && posts != l->batch) {
                 l->in     = 1;
-                l->taking = 1;
                 l->batch  = posts;
                 atomic_fetch_add(&reader->posted[lane].busy, 1);
             }
@@ -432,15 +186,13 @@ static void ring_thread(struct empanel_reader * reader) {
         const int state = atomic_load(&reader->ring_state);
         if (state != RING_OK) { // broken: pread, a lane at a time; lost: every chunk fails
             for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
-                if (lanes[lane].in && lanes[lane].taking && lanes[lane].in_flight == 0) {
+                if (lanes[lane].in && chunks_left(&reader->posted[lane]) && lanes[lane].in_flight == 0) {
                     if (state == RING_LOST) {
                         empanel_set_error(reader->pool, "empanel: io_uring lost reads earlier in this process (see "
                                           "the first error); reload the model with EMPANEL_READ_IO=threads");
                         fail_rest(reader, &reader->posted[lane]);
-                        lanes[lane].taking = 0;
-                    } else if (work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]),
-                                          reader->bounce[0])) {
-                        lanes[lane].taking = 0; // (else a demand batch came: that one first)
+                    } else { // (it stops early if a demand batch comes: that one first)
+                        work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]), reader->bounce[0]);
                     }
                 }
             }
@@ -452,12 +204,13 @@ static void ring_thread(struct empanel_reader * reader) {
         int32_t lane = -1;
         while (n_free > 0 && empanel_ring_room(ring) > 0 && (lane = ring_next_chunk(reader, lanes, &i)) >= 0) {
             struct empanel_posted * p = &reader->posted[lane];
-            enum chunk_outcome outcome = chunk_before_read(reader, p, &p->chunks[i]);
-            if (outcome == CHUNK_READ && ring_prepare(reader, lane, i, free_reads[n_free - 1]) != 0) {
-                outcome = CHUNK_FAILED;
+            enum empanel_chunk_outcome outcome = empanel_chunk_before_read(reader, p, &p->chunks[i]);
+            if (outcome == EMPANEL_CHUNK_READ &&
+                empanel_chunk_ring_prepare(reader, lane, i, free_reads[n_free - 1]) != 0) {
+                outcome = EMPANEL_CHUNK_FAILED;
             }
-            if (outcome != CHUNK_READ) {
-                land_chunk(reader, p, i, outcome);
+            if (outcome != EMPANEL_CHUNK_READ) {
+                empanel_chunk_land(reader, p, i, outcome);
                 continue;
             }
             empanel_ring_queue(ring, free_reads[--n_free]);
@@ -470,7 +223,7 @@ static void ring_thread(struct empanel_reader * reader) {
             } else {
                 struct empanel_posted * p = &reader->posted[r->lane];
                 lanes[r->lane].in_flight--;
-                land_chunk(reader, p, r->chunk, ring_landed(reader, r));
+                empanel_chunk_land(reader, p, r->chunk, empanel_chunk_ring_landed(reader, r));
                 free_reads[n_free++] = r;
                 // its CPU since the last landing: counted before the thread leaves the lane
                 const uint64_t now = empanel_thread_cpu_ns();
@@ -747,7 +500,7 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     int i = atomic_load(&p->next);
     while (reader->ring == NULL && i < limit) { // (io_uring: the ring's thread reads it all)
         if (atomic_compare_exchange_weak(&p->next, &i, i + 1)) {
-            work_chunk(reader, p, i, reader->bounce[reader->n_bounce - 1]);
+            empanel_chunk_read(reader, p, i, reader->bounce[reader->n_bounce - 1]);
             i = atomic_load(&p->next);
         }
     }

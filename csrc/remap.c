@@ -84,10 +84,10 @@ static struct empanel_layer * remap_begin(struct empanel_pool * pool, int32_t il
     if (drop_unrouted) {
         empanel_batch_drop_unrouted(pool, layer, expert_ids, ids_row_stride, n_used, n_tokens);
     }
-    const struct empanel_batch * ahead = &pool->batch[EMPANEL_LANE_AHEAD];
-    const int keep_ahead = ahead->inflight && ahead->beside && ahead->layer != layer && empanel_batch_beside(pool, layer);
+    // (a read-ahead stays in flight where this layer's reads may be posted beside it)
     if (empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0 ||
-        (!keep_ahead && empanel_batch_finish_lane(pool, EMPANEL_LANE_AHEAD) != 0)) {
+        (!empanel_batch_can_post(pool, EMPANEL_LANE_DEMAND, layer) &&
+         empanel_batch_finish_lane(pool, EMPANEL_LANE_AHEAD) != 0)) {
         return NULL;
     }
     return layer;
