@@ -3,8 +3,8 @@
 // writing one expert into a slot. None of it needs llama.cpp's internals, so none of it is in the
 // patch: the pool tensors are ordinary ggml tensors in ordinary backend buffers.
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "backend.h"
+#include "common.h"
 
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -35,7 +35,7 @@ size_t empanel_struct_size(const char * name) {
     return 0;
 }
 
-void * empanel_pool_host_data(void * pool_tensor) {
+void * empanel_backend_host_data(void * pool_tensor) {
     struct ggml_tensor * t = pool_tensor;
     if (t == NULL || t->buffer == NULL) {
         return NULL;
@@ -43,7 +43,7 @@ void * empanel_pool_host_data(void * pool_tensor) {
     return llama_empanel_buffer_in_host_memory(t->buffer) ? t->data : NULL;
 }
 
-void * empanel_slot_data(void * pool_tensor, int32_t slot) {
+void * empanel_backend_slot_data(void * pool_tensor, int32_t slot) {
     struct ggml_tensor * t = pool_tensor;
     if (t == NULL || t->buffer == NULL || slot < 0 || slot >= t->ne[2]) {
         return NULL;
@@ -56,7 +56,7 @@ void * empanel_slot_data(void * pool_tensor, int32_t slot) {
     return (char *) t->data + (size_t) slot * t->nb[2];
 }
 
-void * empanel_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer) {
+void * empanel_backend_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer) {
     struct ggml_tensor * t = pool_tensor;
     ggml_backend_buffer_type_t buft = NULL;
     if (t != NULL && t->buffer != NULL) {
@@ -71,7 +71,7 @@ void * empanel_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer
     return buf != NULL ? ggml_backend_buffer_get_base(buf) : NULL;
 }
 
-void empanel_host_buffer_free(void * buffer) {
+void empanel_backend_host_buffer_free(void * buffer) {
     if (buffer != NULL) {
         ggml_backend_buffer_free(buffer);
     }
@@ -97,17 +97,17 @@ static repack_slice_fn repack_slice(void) {
     return g_repack_slice;
 }
 
-int32_t empanel_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size) {
+int32_t empanel_backend_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size) {
     struct ggml_tensor * t = pool_tensor;
     if (t == NULL || t->buffer == NULL || slot < 0 || slot >= t->ne[2] || size != t->nb[2]) {
         return 1;
     }
-    void * dst = empanel_slot_data(t, slot);
+    void * dst = empanel_backend_slot_data(t, slot);
     if (dst != NULL) {
         memcpy(dst, data, size);
         return 0;
     }
-    if (t->extra != NULL && empanel_pool_host_data(t) != NULL) {
+    if (t->extra != NULL && empanel_backend_host_data(t) != NULL) {
         // a CPU extra buffer type: CPU_REPACK holds the same bytes in another layout
         repack_slice_fn fn = repack_slice();
         return fn != NULL && fn(t, data, size, slot) == 0 ? 0 : 2;
@@ -138,7 +138,7 @@ int32_t empanel_unified_devices(void) {
 
 // give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
 // also zero the bytes of the partial pages at both ends
-void empanel_memory_release(uint8_t * ptr, uint64_t size, int zero_edges) {
+void empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges) {
     const uint64_t page  = (uint64_t) sysconf(_SC_PAGESIZE);
     const uint64_t begin = ((uint64_t) (uintptr_t) ptr + page - 1) / page * page;
     const uint64_t end   = ((uint64_t) (uintptr_t) ptr + size) / page * page;

@@ -8,55 +8,25 @@
 // there the reader takes the demand lane's chunks first, and a layer's reads never wait for a
 // read-ahead to close, nor a read-ahead for the layer computing now.
 
-#include "empanel-impl.h"
+#include "batch.h"
+#include "backend.h"
+#include "chunk.h"
+#include "files.h"
+#include "host_cache.h"
+#include "reader.h"
+#include "remote.h"
+#include "slots.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-// staging -> a slot on an RPC host (rpc.c): by hash if the host's cache holds these bytes (from
-// an earlier run), else the bytes, for the host to keep; sent bytes count in copy_bytes. With
-// moe_verify the very bytes checked here are sent.
-static int remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
-    struct empanel_tensor * t = job->tensor;
-    if (job->remote_hash != 0) { // taken when it landed (not with moe_verify)
-        t->remote_hash[job->expert] = job->remote_hash;
-        if (empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
-            layer->stats.remote_by_hash += 1;
-            return 0;
-        }
-    }
-    const int sent = t->remote_cache ? empanel_rpc_write_cached(t->pool, job->slot, job->dst, t->expert_size)
-                                     : empanel_slot_write(t->pool, job->slot, job->dst, t->expert_size);
-    if (sent == 0) {
-        t->remote_sent[job->expert] |= t->remote_cache;
-        layer->stats.copy_bytes += t->expert_size;
-        return 0;
-    }
-    empanel_set_error(pool, "%s: writing expert %d into slot %d on its RPC host failed", t->name, job->expert, job->slot);
-    return -1;
-}
-
-// a miss on an RPC host's pool whose bytes the host may hold (sent before, or hashed at an
-// earlier read): 1 if the host wrote them into the slot from its cache, so nothing is read
-static int remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot) {
-    if (!t->remote || !t->remote_cache || t->remote_hash[expert] == 0) { // (never known with moe_verify)
-        return 0;
-    }
-    if (empanel_rpc_write_by_hash(t->pool, slot, t->remote_hash[expert])) {
-        layer->stats.remote_by_hash += 1;
-        return 1;
-    }
-    if (t->remote_sent[expert]) {
-        t->remote_cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
-    }
-    return 0;
-}
-
 void empanel_batch_staging_free(struct empanel_pool * pool) {
-    struct empanel_staging * st = &pool->staging;
+    struct empanel_staging * st = &pool->lanes.staging;
     if (st->data != NULL) {
         if (st->buffer != NULL) {
-            empanel_host_buffer_free(st->buffer);
+            empanel_backend_host_buffer_free(st->buffer);
         } else {
             free(st->data);
         }
@@ -80,10 +50,10 @@ static int reserve(struct empanel_pool * pool, struct empanel_batch * batch, int
         batch->chunks     = p;
         batch->chunks_cap = n_chunks;
     }
-    struct empanel_staging * st = &pool->staging;
+    struct empanel_staging * st = &pool->lanes.staging;
     if (staging > st->size) {
         empanel_batch_staging_free(pool);
-        st->data = st->owner ? empanel_host_buffer_alloc(st->owner, staging, &st->buffer) : malloc(staging);
+        st->data = st->owner ? empanel_backend_host_buffer_alloc(st->owner, staging, &st->buffer) : malloc(staging);
         st->size = st->data ? staging : 0;
         if (st->data == NULL) { return -1; }
     }
@@ -186,7 +156,7 @@ struct batch_plan {
 static void plan_job(struct empanel_pool * pool, struct empanel_batch * batch, struct empanel_layer * layer, int32_t i,
                      int32_t expert, int32_t slot, struct batch_plan * bp) {
     struct empanel_tensor * t = &layer->tensors[i];
-    if (remote_by_hash(layer, t, expert, slot)) {
+    if (empanel_remote_by_hash(layer, t, expert, slot)) {
         t->held[slot] = expert; // in place, nothing to read
         return;
     }
@@ -194,7 +164,7 @@ static void plan_job(struct empanel_pool * pool, struct empanel_batch * batch, s
     job->tensor  = t;
     job->expert  = expert;
     job->slot    = slot;
-    job->dst     = empanel_slot_data(t->pool, slot);
+    job->dst     = empanel_backend_slot_data(t->pool, slot);
     job->convert = 0;
     job->remote_hash = 0;
     job->landed  = 0;
@@ -229,12 +199,12 @@ static void plan_job(struct empanel_pool * pool, struct empanel_batch * batch, s
 }
 
 int empanel_batch_beside(const struct empanel_pool * pool, const struct empanel_layer * layer) {
-    if (pool->policy == EMPANEL_POLICY_GLRU || !pool->reader.beside) {
+    if (pool->config.policy == EMPANEL_POLICY_GLRU || !pool->reader.beside) {
         return 0; // (another layer's remap may evict the slots being read into)
     }
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
-        if (!t->direct || t->remote || t->pool == NULL) {
+        if (!t->direct || t->remote != NULL || t->pool == NULL) {
             return 0;
         }
     }
@@ -242,8 +212,8 @@ int empanel_batch_beside(const struct empanel_pool * pool, const struct empanel_
 }
 
 int empanel_batch_can_post(const struct empanel_pool * pool, int32_t lane, const struct empanel_layer * layer) {
-    const struct empanel_batch * other = &pool->batch[1 - lane];
-    return !pool->batch[lane].inflight &&
+    const struct empanel_batch * other = &pool->lanes.batch[1 - lane];
+    return !pool->lanes.batch[lane].inflight &&
            (!other->inflight || (other->beside && other->layer != layer && empanel_batch_beside(pool, layer)));
 }
 
@@ -257,15 +227,15 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
                       const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order,
                       int by_expert) {
     const int32_t lane = by_expert ? EMPANEL_LANE_AHEAD : EMPANEL_LANE_DEMAND;
-    struct empanel_batch * batch = &pool->batch[lane];
+    struct empanel_batch * batch = &pool->lanes.batch[lane];
     if (!empanel_batch_can_post(pool, lane, layer)) {
-        empanel_set_error(pool, "empanel: reads of layer %d posted while others are in flight",
-                          (int) (layer - pool->layers));
+        empanel_util_set_error(pool, "empanel: reads of layer %d posted while others are in flight",
+                               (int) (layer - pool->layers));
         return -1;
     }
     for (int32_t i = t0; i < t1; i++) {
         if (layer->tensors[i].pool == NULL) {
-            empanel_set_error(pool, "%s: no slot pool bound", layer->tensors[i].name);
+            empanel_util_set_error(pool, "%s: no slot pool bound", layer->tensors[i].name);
             return -1;
         }
     }
@@ -275,13 +245,13 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     // (staging: plus a block to align its start)
     if (reserve(pool, batch, n * (t1 - t0), n * max_chunks_per_expert,
                 staged_per_expert * (uint64_t) n + EMPANEL_ALIGN) != 0) {
-        empanel_set_error(pool, "empanel: out of memory for reading %d experts", n);
+        empanel_util_set_error(pool, "empanel: out of memory for reading %d experts", n);
         return -1;
     }
 
     struct batch_plan bp = {
-        .staging = (uint8_t *) (uintptr_t) empanel_align_up((uint64_t) (uintptr_t) pool->staging.data),
-        .stamp   = ++pool->n_batches,
+        .staging = (uint8_t *) (uintptr_t) empanel_align_up((uint64_t) (uintptr_t) pool->lanes.staging.data),
+        .stamp   = ++pool->lanes.n_batches,
     };
     const int32_t n_t = t1 - t0;
     for (int32_t q = 0; q < n_t * n; q++) { // tensor after tensor, or (by_expert) expert after expert
@@ -301,7 +271,7 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
     batch->payload      = bp.payload;
     batch->io_bytes     = bp.io_bytes;
     batch->bounce_bytes = bp.bounced;
-    batch->t0           = empanel_now_ns();
+    batch->t0           = empanel_util_now_ns();
     empanel_reader_post(pool, lane, batch->jobs, batch->chunks, bp.n_chunks, layer, order != NULL, bp.n_landing,
                         bp.chunk_end);
     return 0;
@@ -324,7 +294,7 @@ int empanel_batch_post_ahead(struct empanel_pool * pool, struct empanel_layer * 
 
 void empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
                        uint64_t stamp) {
-    struct empanel_batch * batch = &pool->batch[EMPANEL_LANE_AHEAD];
+    struct empanel_batch * batch = &pool->lanes.batch[EMPANEL_LANE_AHEAD];
     if (!batch->inflight || !batch->ahead || batch->layer != layer) {
         return;
     }
@@ -365,28 +335,28 @@ int empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer *
     if (!empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, layer) || !pool->reader.posted[EMPANEL_LANE_DEMAND].by_tensor) {
         return 0; // its reads are done (or were never posted so)
     }
-    const uint64_t t0 = empanel_now_ns();
+    const uint64_t t0 = empanel_util_now_ns();
     const int rc = empanel_reader_wait_tensor(pool, tensor);
-    const uint64_t waited = empanel_now_ns() - t0;
+    const uint64_t waited = empanel_util_now_ns() - t0;
     layer->stats.wait_ns  += waited;
     layer->stats.ready_ns += waited;
     return rc;
 }
 
 int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
-    struct empanel_batch  * batch  = &pool->batch[lane];
+    struct empanel_batch  * batch  = &pool->lanes.batch[lane];
     struct empanel_posted * posted = &pool->reader.posted[lane];
     if (!batch->inflight) {
         return 0;
     }
     const int      ready = posted->by_tensor; // (empanel_reader_finish clears it)
-    const uint64_t t0    = empanel_now_ns();
+    const uint64_t t0    = empanel_util_now_ns();
     empanel_reader_finish(pool, lane);
-    const uint64_t t1 = empanel_now_ns();
+    const uint64_t t1 = empanel_util_now_ns();
     batch->inflight = 0;
 
     struct empanel_layer * layer = batch->layer;
-    if (atomic_load(&posted->batch_failed) || atomic_load(&pool->failed)) {
+    if (atomic_load(&posted->batch_failed) || atomic_load(&pool->error.failed)) {
         empanel_host_cache_batch_landed(pool, batch, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
@@ -396,8 +366,8 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
             continue;
         }
         // device pools: written here, between the reads and the next kernel
-        if (job->tensor->remote) {
-            if (remote_write_job(pool, layer, job) != 0) {
+        if (job->tensor->remote != NULL) {
+            if (empanel_remote_write_job(pool, layer, job) != 0) {
                 return -1;
             }
         } else if (empanel_chunk_convert(pool, job) != 0) {
@@ -409,7 +379,7 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
             layer->stats.host_bytes += job->tier == 2 ? job->tensor->expert_size : 0;
         }
     }
-    if (atomic_load(&posted->batch_failed) || atomic_load(&pool->failed)) {
+    if (atomic_load(&posted->batch_failed) || atomic_load(&pool->error.failed)) {
         empanel_host_cache_batch_landed(pool, batch, 0);
         return -1; // a reader thread's conversion failed
     }
@@ -435,7 +405,7 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
     const uint64_t done = posted->done_ns > batch->t0 ? posted->done_ns : t1;
     layer->stats.read_ns    += (done < t1 ? done : t1) - batch->t0;
     layer->stats.wait_ns    += t1 - t0;
-    layer->stats.write_ns   += empanel_now_ns() - t1;
+    layer->stats.write_ns   += empanel_util_now_ns() - t1;
     if (batch->dropped) {
         account_dropped(batch, layer);
     }
@@ -478,8 +448,8 @@ int empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
 // read experts layer->tables.misses[0, n) into the claimed, empty slots layer->tables.victims[0, n) and make
 // them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
 int empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
-    if (!pool->lab && empanel_batch_read(pool, layer, layer->tables.misses, layer->tables.victims, n) != 0) {
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
+    if (!pool->config.lab && empanel_batch_read(pool, layer, layer->tables.misses, layer->tables.victims, n) != 0) {
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
             pool->glru.resident_bytes -= (uint64_t) n * layer->expert_bytes;
         }
         return -1;
@@ -492,7 +462,7 @@ int empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * 
 // to are read no further (their slots are emptied by the reconcile that follows)
 void empanel_batch_drop_unrouted(struct empanel_pool * pool, struct empanel_layer * layer, const int32_t * expert_ids,
                                  int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
-    if (!empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, layer) || !pool->batch[EMPANEL_LANE_AHEAD].ahead) {
+    if (!empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, layer) || !pool->lanes.batch[EMPANEL_LANE_AHEAD].ahead) {
         return;
     }
     const uint64_t stamp = ++layer->tables.mark_stamp; // slots of the experts routed to

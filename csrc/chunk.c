@@ -15,7 +15,13 @@
 // Anything else lands in the thread's bounce buffer and its payload is copied (stats.bounce_bytes).
 // Both read paths fail the same way: the same messages, the same failpoints.
 
-#include "empanel-impl.h"
+#include "chunk.h"
+#include "backend.h"
+#include "remote.h"
+#include "ring.h"
+#include "rpc.h"
+#include "util.h"
+#include "state.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -42,8 +48,8 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
             continue;
         }
         if (n < 0) {
-            empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s", f->path,
-                              (unsigned long long) (length - done), (unsigned long long) (offset + done), strerror(errno));
+            empanel_util_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s", f->path,
+                                   (unsigned long long) (length - done), (unsigned long long) (offset + done), strerror(errno));
             return -1;
         }
         if (n == 0) {
@@ -52,8 +58,8 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
         done += (uint64_t) n;
     }
     if (done < need) {
-        empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
-                          f->path, (unsigned long long) offset, (unsigned long long) done, (unsigned long long) need);
+        empanel_util_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
+                               f->path, (unsigned long long) offset, (unsigned long long) done, (unsigned long long) need);
         return -1;
     }
     return 0;
@@ -62,19 +68,19 @@ static int pread_chunk(struct empanel_pool * pool, const struct empanel_file * f
 // moe_verify: the expert's bytes, all landed in job->dst (the slot, or staging before the
 // conversion), against its digest; an unknown digest is taken from this first read
 static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job) {
-    const uint64_t t0 = empanel_now_ns();
+    const uint64_t t0 = empanel_util_now_ns();
     const uint64_t h = empanel_hash64(job->dst, job->tensor->expert_size);
     uint64_t * want = &job->tensor->digest[job->expert];
-    job->verify_ns = empanel_now_ns() - t0;
+    job->verify_ns = empanel_util_now_ns() - t0;
     if (*want == 0) {
         *want = h;
         return 0;
     }
     if (h != *want) {
-        empanel_set_error(pool,
+        empanel_util_set_error(pool,
             "%s: expert %d read from %s does not match its digest (XXH3-64 %016llx, expected %016llx): "
             "the file changed or the drive returned other bytes; reload the model, and check the file "
-            "with empanel-gguf verify", job->tensor->name, job->expert, pool->files[job->tensor->file].path,
+            "with empanel-gguf verify", job->tensor->name, job->expert, pool->files.list[job->tensor->file].path,
             (unsigned long long) h, (unsigned long long) *want);
         return -1;
     }
@@ -83,8 +89,8 @@ static int verify_job(struct empanel_pool * pool, struct empanel_read_job * job)
 
 // staging -> slot (repack, or a copy to the device)
 int empanel_chunk_convert(struct empanel_pool * pool, const struct empanel_read_job * job) {
-    if (empanel_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
-        empanel_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
+    if (empanel_backend_slot_write(job->tensor->pool, job->slot, job->dst, job->tensor->expert_size) != 0) {
+        empanel_util_set_error(pool, "%s: writing expert %d into slot %d failed", job->tensor->name, job->expert, job->slot);
         return -1;
     }
     return 0;
@@ -95,9 +101,9 @@ static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c
     const int64_t request = pool->fault.after > 0 ? atomic_fetch_add(&pool->fault.n_requests, 1) + 1 : 0;
     if (pool->fault.after > 0 && request >= pool->fault.after &&
         (pool->fault.count <= 0 || request < pool->fault.after + pool->fault.count)) {
-        empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
-                          pool->files[c->file].path, (unsigned long long) c->length, (unsigned long long) c->offset,
-                          strerror(EIO));
+        empanel_util_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (EMPANEL_FAULT_READ_AFTER)",
+                               pool->files.list[c->file].path, (unsigned long long) c->length, (unsigned long long) c->offset,
+                               strerror(EIO));
         return -1;
     }
     return 0;
@@ -106,7 +112,7 @@ static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c
 static int read_chunk(struct empanel_reader * reader, const struct empanel_posted * p, const struct empanel_chunk * c,
                       uint8_t * bounce) {
     struct empanel_pool * pool = reader->pool;
-    const struct empanel_file * f = &pool->files[c->file];
+    const struct empanel_file * f = &pool->files.list[c->file];
     if (read_fault(pool, c) != 0) {
         return -1;
     }
@@ -130,7 +136,7 @@ enum empanel_chunk_outcome empanel_chunk_before_read(struct empanel_reader * rea
     if (atomic_load(&p->jobs[c->job].dropped)) {
         return EMPANEL_CHUNK_SKIPPED;
     }
-    return atomic_load(&reader->pool->failed) ? EMPANEL_CHUNK_FAILED : EMPANEL_CHUNK_READ;
+    return atomic_load(&reader->pool->error.failed) ? EMPANEL_CHUNK_FAILED : EMPANEL_CHUNK_READ;
 }
 
 // chunk i of a lane's posted batch is done; the thread finishing a job's last chunk lands the
@@ -150,7 +156,8 @@ void empanel_chunk_land(struct empanel_reader * reader, struct empanel_posted * 
     } else if (outcome == EMPANEL_CHUNK_FAILED) {
         failed = 1; // skipped or failed: the batch is incomplete
     } else if (atomic_fetch_sub(&job->chunks_left, 1) == 1) { // the expert is complete
-        if (job->tensor->remote && job->tensor->remote_cache && job->tensor->digest == NULL) {
+        const struct empanel_remote * remote = job->tensor->remote;
+        if (remote != NULL && remote->cache && job->tensor->digest == NULL) {
             job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
         }
         if ((job->tensor->digest != NULL && verify_job(pool, job) != 0) ||
@@ -171,7 +178,7 @@ void empanel_chunk_land(struct empanel_reader * reader, struct empanel_posted * 
     if (last || failed || landed) {
         pthread_mutex_lock(&reader->mutex);
         if (last) {
-            p->done_ns = empanel_now_ns();
+            p->done_ns = empanel_util_now_ns();
         }
         pthread_cond_broadcast(&reader->cond_done);
         pthread_mutex_unlock(&reader->mutex);
@@ -193,7 +200,7 @@ void empanel_chunk_read(struct empanel_reader * reader, struct empanel_posted * 
 int empanel_chunk_ring_prepare(struct empanel_reader * reader, int32_t lane, int i, struct empanel_ring_read * r) {
     struct empanel_pool        * pool = reader->pool;
     const struct empanel_chunk * c    = &reader->posted[lane].chunks[i];
-    const struct empanel_file  * f    = &pool->files[c->file];
+    const struct empanel_file  * f    = &pool->files.list[c->file];
     if (read_fault(pool, c) != 0) {
         return -1;
     }
@@ -221,18 +228,18 @@ enum empanel_chunk_outcome empanel_chunk_ring_landed(struct empanel_reader * rea
     struct empanel_pool        * pool = reader->pool;
     const struct empanel_posted * p   = &reader->posted[r->lane];
     const struct empanel_chunk * c    = &p->chunks[r->chunk];
-    const struct empanel_file  * f    = &pool->files[c->file];
+    const struct empanel_file  * f    = &pool->files.list[c->file];
     const int      windowed = reader->direct && f->fd_direct >= 0;
     const uint64_t need     = windowed ? c->skip + c->payload : c->payload;
     if (r->err != 0) { // (a ring that broke: its later batches are read with pread)
-        empanel_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (io_uring)", f->path,
-                          (unsigned long long) (r->length - r->done), (unsigned long long) (r->offset + r->done),
-                          strerror(r->err));
+        empanel_util_set_error(pool, "%s: read of %llu bytes at offset %llu failed: %s (io_uring)", f->path,
+                               (unsigned long long) (r->length - r->done), (unsigned long long) (r->offset + r->done),
+                               strerror(r->err));
         return EMPANEL_CHUNK_FAILED;
     }
     if (r->done < need) {
-        empanel_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
-                          f->path, (unsigned long long) r->offset, (unsigned long long) r->done, (unsigned long long) need);
+        empanel_util_set_error(pool, "%s: short read at offset %llu (%llu of %llu bytes): file truncated?",
+                               f->path, (unsigned long long) r->offset, (unsigned long long) r->done, (unsigned long long) need);
         return EMPANEL_CHUNK_FAILED;
     }
     if (windowed && !c->in_place) {

@@ -2,7 +2,8 @@
 
 // empanel sidecar: the C side of empanel-gguf. For every paged MoE layer it keeps which expert
 // sits in which slot of the layer's pools, picks victims on a miss, and reads the missing experts'
-// bytes from the GGUF file with pread on its own file descriptors.
+// bytes from the GGUF file on its own file descriptors: with io_uring where the build and the
+// kernel have it (the default, EMPANEL_READ_IO_DEFAULT), else with pread on reader threads.
 //
 // Python (empanel_gguf/engine/native.py, cffi in ABI mode) reads this header with preprocessor lines
 // and comments removed: keep the declarations plain C.
@@ -22,7 +23,19 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 13
+#define EMPANEL_SIDECAR_VERSION 14
+
+// the pool's read settings (struct empanel_pool_params): defaults and bounds, declared once here;
+// Python (empanel_gguf's option table) reads them from this header
+#define EMPANEL_DEFAULT_READ_THREADS 8          // params.n_threads: reader threads besides the caller
+#define EMPANEL_MAX_READ_THREADS     256        // params.n_threads at most
+#define EMPANEL_DEFAULT_CHUNK_KB     256        // params.chunk_bytes / 1024: KiB per read request
+#define EMPANEL_MAX_CHUNK_KB         1048576    // params.chunk_bytes / 1024 at most (1 GiB)
+#define EMPANEL_DEFAULT_QUEUE_DEPTH  32         // params.queue_depth: io_uring reads in flight
+#define EMPANEL_MAX_QUEUE_DEPTH      256        // params.queue_depth at most
+
+// the version of the plan file (empanel_gguf/planning/plan_file.py writes it, plan_file.c reads it)
+#define EMPANEL_PLAN_VERSION 1
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -36,7 +49,7 @@ struct empanel_tensor_desc {
 // how the pool reads; zeros pick the defaults (but n_threads: 0 is no reader thread)
 struct empanel_pool_params {
     int32_t  n_threads;    // reader threads besides the caller (0: the caller reads alone)
-    uint32_t chunk_bytes;  // bytes per read request (default 256 KiB; rounded to 4 KiB)
+    uint32_t chunk_bytes;  // bytes per read request (default EMPANEL_DEFAULT_CHUNK_KB KiB; rounded to 4 KiB)
     int32_t  direct_io;    // 1: O_DIRECT (default), -1: buffered reads through the page cache
     int32_t  policy;       // enum empanel_policy
     uint64_t budget_bytes; // EMPANEL_POLICY_GLRU: bytes of resident experts over all layers
@@ -48,7 +61,7 @@ struct empanel_pool_params {
                            // (empanel_pool_set_digests, else the digest of its first read)
     int32_t  read_io;      // enum empanel_read_io: how reads are issued (EMPANEL_READ_IO in the
                            // environment overrides it: "threads" or "uring")
-    int32_t  queue_depth;  // io_uring: read requests in flight at most (default 32)
+    int32_t  queue_depth;  // io_uring: read requests in flight at most (default EMPANEL_DEFAULT_QUEUE_DEPTH)
 };
 
 // how a pool issues its reads (struct empanel_pool_params.read_io)
@@ -59,9 +72,11 @@ enum empanel_read_io {
                                  // kernel has none: the threads, with a notice; n_threads 0: the
                                  // caller alone, pread
 };
+// what EMPANEL_READ_IO_AUTO takes: io_uring where there is one (docs/performance.md, "Reads at depth")
+#define EMPANEL_READ_IO_DEFAULT EMPANEL_READ_IO_URING
 
 // The eviction policies (struct empanel_pool_params.policy), declared once: the enum below,
-// empanel_policy_name and the names Python accepts (empanel_gguf/engine/header.py) come from this list.
+// empanel_policy_name and the names Python accepts (empanel_gguf/abi/header.py) come from this list.
 //   X(id, name as users give it)
 //   LRU        per layer: evict the least recently used expert
 //   LFU_DECAY  per layer: evict the least frequently used, counts halving every n_slots
@@ -82,7 +97,7 @@ enum empanel_policy {
 EMPANEL_API const char * empanel_policy_name(int32_t policy);
 
 // Every counter of a paged layer, declared once: the struct below, the stats JSON of llama.cpp's
-// programs and the Prometheus text (load.c), and the Python names (empanel_gguf/engine/header.py reads
+// programs and the Prometheus text (metrics.c), and the Python names (empanel_gguf/abi/header.py reads
 // this list from this header) are all made from it.
 //   X(field, kind, metric, help)
 //   field   member of struct empanel_layer_stats, uint64_t; *_ns in nanoseconds (Python and the
@@ -252,15 +267,15 @@ EMPANEL_API int32_t empanel_pool_slots(struct empanel_pool * pool, int32_t il, i
 // slots (and the g-lru budget) go: pools that hold every expert end up holding the whole layer,
 // as a model loaded in full would. Call after every tensor is bound; returns the experts read,
 // -1 on failure (the reason in empanel_pool_error; slots not yet read stay empty).
-EMPANEL_API int64_t empanel_pool_preload(struct empanel_pool * pool);
+EMPANEL_API int64_t empanel_preload(struct empanel_pool * pool);
 
-// the order in which empanel_pool_preload fills layer il's empty slots: experts[0, n) first (e.g.
+// the order in which empanel_preload fills layer il's empty slots: experts[0, n) first (e.g.
 // the layer's most used experts from a calibration profile), then the others by id. The experts
 // chosen are read in file order. uses [n] (or NULL): the LFU count each starts with (lfu-decay;
 // a count halves every n_slots micro-batches like the others). n = 0 forgets the order. Returns
 // 0, or -1 for a bad layer or id.
-EMPANEL_API int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
-                                               const uint32_t * uses, int32_t n);
+EMPANEL_API int32_t empanel_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
+                                          const uint32_t * uses, int32_t n);
 
 // counters of layer il (zeros for a layer that is not paged); reset all counters
 EMPANEL_API void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out);
@@ -354,6 +369,17 @@ EMPANEL_API void    empanel_program_close(struct empanel_load * load);
 // truncated if it does not fit); returns the length of the whole text
 EMPANEL_API size_t empanel_program_metrics(char * buf, size_t size);
 
+// Prometheus text (format 0.0.4), written by the sidecar alone for every face (llama.cpp's
+// programs above, `empanel-gguf serve`): the per-layer families of EMPANEL_LAYER_COUNTERS that name
+// a metric, a series per paged layer of pools[i] labeled model=models[i] (escaped as
+// empanel_metrics_label does), into buf [size] as above; returns the length of the whole text
+EMPANEL_API size_t empanel_metrics_layers(struct empanel_pool * const * pools, const char * const * models,
+                                          int32_t n, char * buf, size_t size);
+// a label value escaped as the text format wants it (backslash, double quote and newline as
+// backslash-backslash, backslash-quote, backslash-n) into buf [size] (NUL-terminated, truncated);
+// returns the length of the whole escaped value
+EMPANEL_API size_t empanel_metrics_label(const char * value, char * buf, size_t size);
+
 // sizeof() of a public struct of llama.h that the llama-cpp-python ctypes bindings mirror, by name
 // ("llama_model_params", "llama_context_params", "llama_batch", ...), as this build compiled it;
 // 0 if unknown. empanel-gguf compares these with ctypes.sizeof() at import.
@@ -361,7 +387,7 @@ EMPANEL_API size_t empanel_struct_size(const char * name);
 
 // where slot `slot` of a pool tensor (a ggml_tensor *) can be written directly (plain host
 // memory), else NULL
-EMPANEL_API void * empanel_slot_data(void * pool_tensor, int32_t slot);
+EMPANEL_API void * empanel_backend_slot_data(void * pool_tensor, int32_t slot);
 
 // the policy lab: a pool without files, tensors or reader threads, whose remap runs the very
 // policy code of the engine's pools but reads nothing. expert_bytes [n_layer]: bytes of one

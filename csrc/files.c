@@ -7,7 +7,9 @@
 // A rename over the path or a deletion is no change: our descriptors (and llama.cpp's mapping)
 // keep the file that was loaded.
 
-#include "empanel-impl.h"
+#include "files.h"
+#include "util.h"
+#include "state.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -62,18 +64,18 @@ static int open_direct(const char * path) {
 
 int empanel_files_open(struct empanel_pool * pool, const char * const * paths, int32_t n_paths, int direct_io,
                        char * err, size_t err_size) {
-    pool->files = calloc(n_paths, sizeof(struct empanel_file));
-    if (pool->files == NULL) {
+    pool->files.list = calloc(n_paths, sizeof(struct empanel_file));
+    if (pool->files.list == NULL) {
         snprintf(err, err_size, "empanel: out of memory");
         return -1;
     }
     for (int32_t i = 0; i < n_paths; i++) {
-        pool->files[i].fd        = -1;
-        pool->files[i].fd_direct = -1;
+        pool->files.list[i].fd        = -1;
+        pool->files.list[i].fd_direct = -1;
     }
-    pool->n_files = n_paths;
+    pool->files.n = n_paths;
     for (int32_t i = 0; i < n_paths; i++) {
-        struct empanel_file * f = &pool->files[i];
+        struct empanel_file * f = &pool->files.list[i];
         f->path = strdup(paths[i]);
         f->fd   = open(paths[i], O_RDONLY | O_CLOEXEC);
         struct stat st;
@@ -99,27 +101,27 @@ int empanel_files_open(struct empanel_pool * pool, const char * const * paths, i
 }
 
 void empanel_files_close(struct empanel_pool * pool) {
-    if (pool->watch_fd >= 0) {
-        close(pool->watch_fd);
-        pool->watch_fd = -1;
+    if (pool->files.watch_fd >= 0) {
+        close(pool->files.watch_fd);
+        pool->files.watch_fd = -1;
     }
-    for (int32_t i = 0; i < pool->n_files; i++) {
-        if (pool->files[i].fd >= 0) {
-            close(pool->files[i].fd);
+    for (int32_t i = 0; i < pool->files.n; i++) {
+        if (pool->files.list[i].fd >= 0) {
+            close(pool->files.list[i].fd);
         }
-        if (pool->files[i].fd_direct >= 0) {
-            close(pool->files[i].fd_direct);
+        if (pool->files.list[i].fd_direct >= 0) {
+            close(pool->files.list[i].fd_direct);
         }
-        free(pool->files[i].path);
+        free(pool->files.list[i].path);
     }
-    free(pool->files);
-    pool->files   = NULL;
-    pool->n_files = 0;
+    free(pool->files.list);
+    pool->files.list   = NULL;
+    pool->files.n = 0;
 }
 
 // watch every file for writes, or leave watch_fd at -1 (the stat checks)
 static void files_watch(struct empanel_pool * pool) {
-    pool->watch_fd = -1;
+    pool->files.watch_fd = -1;
 #if defined(__linux__)
     const char * env = getenv("EMPANEL_FILE_WATCH");
     if (env != NULL && strcmp(env, "0") == 0) {
@@ -129,8 +131,8 @@ static void files_watch(struct empanel_pool * pool) {
     if (fd < 0) {
         return;
     }
-    for (int32_t i = 0; i < pool->n_files; i++) {
-        struct empanel_file * f = &pool->files[i];
+    for (int32_t i = 0; i < pool->files.n; i++) {
+        struct empanel_file * f = &pool->files.list[i];
         f->watch = inotify_add_watch(fd, f->path, IN_MODIFY);
         struct stat by_path;
         struct stat by_fd;
@@ -141,34 +143,30 @@ static void files_watch(struct empanel_pool * pool) {
             return;
         }
     }
-    pool->watch_fd = fd;
+    pool->files.watch_fd = fd;
 #endif
 }
 
-int empanel_file_is(struct empanel_pool * pool, int32_t i, uint64_t dev, uint64_t ino, char * err, size_t err_size) {
-    const struct empanel_file * f = &pool->files[i];
+int empanel_files_match(struct empanel_pool * pool, int32_t i, uint64_t dev, uint64_t ino, char * err, size_t err_size) {
+    const struct empanel_file * f = &pool->files.list[i];
     struct stat st;
     if (fstat(f->fd, &st) != 0) {
-        empanel_format_err(err, err_size, "%s: fstat failed: %s", f->path, strerror(errno));
+        empanel_util_format_err(err, err_size, "%s: fstat failed: %s", f->path, strerror(errno));
         return -1;
     }
     if ((uint64_t) st.st_dev != dev || (uint64_t) st.st_ino != ino) {
-        empanel_format_err(err, err_size, "%s was replaced between empanel-gguf's open and llama.cpp's (another "
-                           "file now has its path): the dense weights would come from one file and the "
-                           "experts from another; load the model again", f->path);
+        empanel_util_format_err(err, err_size, "%s was replaced between empanel-gguf's open and llama.cpp's (another "
+                                "file now has its path): the dense weights would come from one file and the "
+                                "experts from another; load the model again", f->path);
         return -1;
     }
     return 0;
 }
 
-int32_t empanel_pool_watching(struct empanel_pool * pool) {
-    return pool->watch_fd >= 0;
-}
-
 // the file that inotify watch descriptor wd belongs to, or -1
 static int32_t file_of_watch(const struct empanel_pool * pool, int wd) {
-    for (int32_t i = 0; i < pool->n_files; i++) {
-        if (pool->files[i].watch == wd) {
+    for (int32_t i = 0; i < pool->files.n; i++) {
+        if (pool->files.list[i].watch == wd) {
             return i;
         }
     }
@@ -182,7 +180,7 @@ static int32_t watch_poll(struct empanel_pool * pool) {
 #if defined(__linux__)
     char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
     for (;;) {
-        const ssize_t n = read(pool->watch_fd, buf, sizeof(buf));
+        const ssize_t n = read(pool->files.watch_fd, buf, sizeof(buf));
         if (n < 0 && errno == EINTR) {
             continue;
         }
@@ -199,8 +197,8 @@ static int32_t watch_poll(struct empanel_pool * pool) {
                 return i >= 0 ? i : 0;
             }
             if (ev->mask & IN_IGNORED) {
-                close(pool->watch_fd);
-                pool->watch_fd = -1;
+                close(pool->files.watch_fd);
+                pool->files.watch_fd = -1;
                 return -1;
             }
             p += sizeof(struct inotify_event) + ev->len;
@@ -215,34 +213,34 @@ static int32_t watch_poll(struct empanel_pool * pool) {
 // the files must be what they were at load. Watched: nothing written since. Otherwise: the same
 // size, mtime and ctime. A change is for good: every later check fails too.
 int empanel_files_check(struct empanel_pool * pool) {
-    if (pool->changed_file < 0 && pool->watch_fd >= 0) {
+    if (pool->files.changed < 0 && pool->files.watch_fd >= 0) {
         const int32_t i = watch_poll(pool);
         if (i >= 0) {
-            pool->changed_file = i;
-            snprintf(pool->changed_why, sizeof(pool->changed_why), "was written to");
+            pool->files.changed = i;
+            snprintf(pool->files.changed_why, sizeof(pool->files.changed_why), "was written to");
         }
     }
-    for (int32_t i = 0; pool->changed_file < 0 && pool->watch_fd < 0 && i < pool->n_files; i++) {
-        const struct empanel_file * f = &pool->files[i];
+    for (int32_t i = 0; pool->files.changed < 0 && pool->files.watch_fd < 0 && i < pool->files.n; i++) {
+        const struct empanel_file * f = &pool->files.list[i];
         struct stat st;
         if (fstat(f->fd, &st) != 0) {
-            empanel_set_error(pool, "%s: fstat failed: %s", f->path, strerror(errno));
+            empanel_util_set_error(pool, "%s: fstat failed: %s", f->path, strerror(errno));
             return -1;
         }
         if ((uint64_t) st.st_size != f->size) {
-            pool->changed_file = i;
-            snprintf(pool->changed_why, sizeof(pool->changed_why), "changed size (%llu -> %llu bytes)",
+            pool->files.changed = i;
+            snprintf(pool->files.changed_why, sizeof(pool->files.changed_why), "changed size (%llu -> %llu bytes)",
                      (unsigned long long) f->size, (unsigned long long) st.st_size);
         } else if (stat_mtime_ns(&st) != f->mtime_ns || stat_ctime_ns(&st) != f->ctime_ns) {
-            pool->changed_file = i;
-            snprintf(pool->changed_why, sizeof(pool->changed_why), "has a new %s time",
+            pool->files.changed = i;
+            snprintf(pool->files.changed_why, sizeof(pool->files.changed_why), "has a new %s time",
                      stat_mtime_ns(&st) != f->mtime_ns ? "modification" : "inode change");
         }
     }
-    if (pool->changed_file >= 0) {
-        empanel_set_error(pool, "%s changed while the model was loaded (it %s); its experts can no "
-                          "longer be trusted: reload the model", pool->files[pool->changed_file].path,
-                          pool->changed_why);
+    if (pool->files.changed >= 0) {
+        empanel_util_set_error(pool, "%s changed while the model was loaded (it %s); its experts can no "
+                               "longer be trusted: reload the model", pool->files.list[pool->files.changed].path,
+                               pool->files.changed_why);
         return -1;
     }
     return 0;

@@ -3,8 +3,12 @@
 // remap drops the reads of guesses it does not route to), and routing substitution (opt-in,
 // inexact) lets a resident expert stand in for a missing one.
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "guess.h"
+#include "batch.h"
+#include "files.h"
+#include "slots.h"
+#include "trace.h"
+#include "state.h"
 
 #include <stdlib.h>
 
@@ -34,8 +38,8 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
         if (staged_per_expert * (uint64_t) (n_read + 1) > 4 * (uint64_t) EMPANEL_STAGING) {
             break; // staging for read-ahead stays bounded (32 MiB)
         }
-        int32_t s = empanel_slots_pick_victim(layer, pool->policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
-        if (s >= 0 && pool->policy == EMPANEL_POLICY_GLRU && layer->tables.expert_in[s] < 0 &&
+        int32_t s = empanel_slots_pick_victim(layer, pool->config.policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
+        if (s >= 0 && pool->config.policy == EMPANEL_POLICY_GLRU && layer->tables.expert_in[s] < 0 &&
             pool->glru.resident_bytes + layer->expert_bytes > pool->glru.budget_bytes) {
             // no room in the budget without evicting another layer's expert: the layer's own
             // occupied slots only
@@ -44,7 +48,7 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
                     layer->tables.slot_mark[t] = stamp;
                 }
             }
-            s = empanel_slots_pick_victim(layer, pool->policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
+            s = empanel_slots_pick_victim(layer, pool->config.policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
         }
         if (s < 0) {
             break;
@@ -76,7 +80,7 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
     struct empanel_pool * pool = user;
     pthread_mutex_lock(&pool->lock);
     struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
-    if (layer == NULL || layer->n_slots <= 0 || layer->observe || atomic_load(&pool->failed)) {
+    if (layer == NULL || layer->n_slots <= 0 || layer->observe || atomic_load(&pool->error.failed)) {
         pthread_mutex_unlock(&pool->lock);
         return 0;
     }
@@ -102,7 +106,7 @@ int32_t empanel_guess(void * user, int32_t il, int32_t distance, const int32_t *
         pthread_mutex_unlock(&pool->lock);
         return -1;
     }
-    if (distance <= pool->prefetch && !pool->lab && !layer->waves.open && !layer->guess.prefetch_open &&
+    if (distance <= pool->config.prefetch && !pool->config.lab && !layer->waves.open && !layer->guess.prefetch_open &&
         !layer->ready.reads_open && !empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL)) {
         if (empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, layer)) {
             prefetch_guess(pool, layer, n); // (queued behind the reads of the layer computing now)
@@ -120,48 +124,8 @@ void empanel_guess_post_deferred(struct empanel_pool * pool) {
     // the layer's live guess as it is now: a later guess of it (read-ahead depth >= 2, another
     // distance) rewrote layer->tables.distinct and guess_n, and its remap spends it (guess_live 0)
     if (layer != NULL && layer->guess.live && empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, layer) &&
-        !layer->waves.open && !layer->guess.prefetch_open && !atomic_load(&pool->failed)) {
+        !layer->waves.open && !layer->guess.prefetch_open && !atomic_load(&pool->error.failed)) {
         prefetch_guess(pool, layer, layer->guess.n);
     }
 }
 
-int32_t empanel_subst(void * user, int32_t il, int32_t * expert_ids, int64_t ids_row_stride, int32_t n_used,
-                      const int32_t * candidates, int64_t cand_row_stride, int32_t n_cand,
-                      const float * scores, int64_t scores_row_stride, int32_t n_tokens) {
-    struct empanel_pool * pool = user;
-    pthread_mutex_lock(&pool->lock);
-    struct empanel_layer * layer = il >= 0 && il < pool->n_layer ? &pool->layers[il] : NULL;
-    if (layer == NULL || layer->n_slots <= 0 || layer->observe || pool->subst_ratio <= 0 || atomic_load(&pool->failed)) {
-        pthread_mutex_unlock(&pool->lock);
-        return 0;
-    }
-    for (int32_t t = 0; t < n_tokens; t++) {
-        int32_t       * ids   = expert_ids + (int64_t) t * ids_row_stride;
-        const int32_t * cand  = candidates + (int64_t) t * cand_row_stride;
-        const float   * score = scores + (int64_t) t * scores_row_stride;
-        for (int32_t j = 0; j < n_used; j++) {
-            const int32_t e = ids[j];
-            if (e < 0 || e >= pool->n_expert || layer->tables.slot_of[e] >= 0) {
-                continue; // resident: kept
-            }
-            for (int32_t c = 0; c < n_cand; c++) {
-                const int32_t alt = cand[c];
-                if (alt < 0 || alt >= pool->n_expert || layer->tables.slot_of[alt] < 0 ||
-                    !(score[alt] >= pool->subst_ratio * score[e])) {
-                    continue;
-                }
-                int taken = 0;
-                for (int32_t k = 0; k < n_used && !taken; k++) {
-                    taken = ids[k] == alt;
-                }
-                if (!taken) {
-                    ids[j] = alt;
-                    layer->stats.substituted++;
-                    break;
-                }
-            }
-        }
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return 0;
-}

@@ -13,14 +13,17 @@
 // Pools in host memory (CPU, CPU_REPACK) and pools on RPC hosts (their own cache, rpc.c) have no
 // tier: their layers' experts never enter it.
 
-#include "empanel-impl.h"
+#include "host_cache.h"
+#include "backend.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 static int tiered(const struct empanel_tensor * t) {
-    return t->pool != NULL && t->host == NULL && !t->remote;
+    return t->pool != NULL && t->host == NULL && t->remote == NULL;
 }
 
 int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * err, size_t err_size) {
@@ -39,20 +42,20 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
         hc->entry_bytes = entry > hc->entry_bytes ? entry : hc->entry_bytes;
     }
     if (hc->entry_bytes == 0) {
-        empanel_format_err(err, err_size, "moe_host_cache: no pool is in device memory (the pools are in host "
-                           "memory already, or on RPC hosts with their own cache); give the memory to moe_slots instead");
+        empanel_util_format_err(err, err_size, "moe_host_cache: no pool is in device memory (the pools are in host "
+                                "memory already, or on RPC hosts with their own cache); give the memory to moe_slots instead");
         return -1;
     }
     const uint64_t n = bytes / hc->entry_bytes;
     if (n < 1 || n > INT32_MAX) {
-        empanel_format_err(err, err_size, "moe_host_cache: %llu bytes hold no expert (one takes %llu bytes)",
-                           (unsigned long long) bytes, (unsigned long long) hc->entry_bytes);
+        empanel_util_format_err(err, err_size, "moe_host_cache: %llu bytes hold no expert (one takes %llu bytes)",
+                                (unsigned long long) bytes, (unsigned long long) hc->entry_bytes);
         return -1;
     }
     hc->n_entries = (int32_t) n;
     // the block, aligned for O_DIRECT (a pinned buffer's base may not be)
     const uint64_t size = (uint64_t) hc->n_entries * hc->entry_bytes + EMPANEL_ALIGN;
-    hc->raw = empanel_host_buffer_alloc(owner, size, &hc->buffer);
+    hc->raw = empanel_backend_host_buffer_alloc(owner, size, &hc->buffer);
     if (hc->raw == NULL) { // the backend could not pin that much: plain host memory, copies a little slower
         hc->buffer = NULL;
         if (posix_memalign((void **) &hc->raw, EMPANEL_ALIGN, size) != 0) {
@@ -71,8 +74,8 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
     if (hc->raw == NULL || hc->layer_of == NULL || hc->expert_of == NULL || hc->held == NULL || hc->batch == NULL ||
         hc->prev == NULL || hc->next == NULL || hc->entry_of == NULL) {
         empanel_host_cache_free(pool);
-        empanel_format_err(err, err_size, "moe_host_cache: cannot allocate %llu bytes of host memory",
-                           (unsigned long long) size);
+        empanel_util_format_err(err, err_size, "moe_host_cache: cannot allocate %llu bytes of host memory",
+                                (unsigned long long) size);
         return -1;
     }
     hc->base = (uint8_t *) (((uintptr_t) hc->raw + EMPANEL_ALIGN - 1) / EMPANEL_ALIGN * EMPANEL_ALIGN);
@@ -93,7 +96,7 @@ int empanel_host_cache_init(struct empanel_pool * pool, uint64_t bytes, char * e
 void empanel_host_cache_free(struct empanel_pool * pool) {
     struct empanel_host_cache * hc = &pool->host_cache;
     if (hc->buffer != NULL) {
-        empanel_host_buffer_free(hc->buffer);
+        empanel_backend_host_buffer_free(hc->buffer);
     } else {
         free(hc->raw);
     }

@@ -27,8 +27,8 @@
 //   stats <path>                                  JSON lines, one object per load, at its end
 //   end
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "plan_file.h"
+#include "util.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -37,8 +37,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-
-#define EMPANEL_PLAN_VERSION 1
 
 // the plan being read: its file, the current line and where in it the next field starts
 struct plan_reader {
@@ -182,7 +180,7 @@ static enum record_result parse_file(struct plan_reader * r, struct empanel_plan
     const char * path = rest_of_line(r);
     struct stat st;
     if (stat(path, &st) != 0) {
-        empanel_format_err(err, err_size, "%s: %s", path, strerror(errno));
+        empanel_util_format_err(err, err_size, "%s: %s", path, strerror(errno));
         return RECORD_FAILED;
     }
 #if defined(__APPLE__)
@@ -191,7 +189,7 @@ static enum record_result parse_file(struct plan_reader * r, struct empanel_plan
     const int64_t now_ns = (int64_t) st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
 #endif
     if ((uint64_t) st.st_size != size || now_ns != mtime_ns) {
-        empanel_format_err(err, err_size, "%s changed since empanel-gguf planned the load (size or mtime); run the "
+        empanel_util_format_err(err, err_size, "%s changed since empanel-gguf planned the load (size or mtime); run the "
                 "command again", path);
         return RECORD_FAILED;
     }
@@ -288,10 +286,10 @@ static enum record_result parse_tensor(struct plan_reader * r, struct empanel_pl
     // the experts lie inside their file (which the 'file' record sized): no sum below wraps
     const uint64_t file_size = plan->file_sizes[d.file];
     if (d.offset > file_size || d.expert_size > (file_size - d.offset) / (uint64_t) plan->n_expert) {
-        empanel_format_err(err, err_size, "%s:%d: tensor %s: %d experts of %llu bytes at offset %llu lie outside "
-                           "its file (%llu bytes)", r->path, r->line_no, rest_of_line(r), plan->n_expert,
-                           (unsigned long long) d.expert_size, (unsigned long long) d.offset,
-                           (unsigned long long) file_size);
+        empanel_util_format_err(err, err_size, "%s:%d: tensor %s: %d experts of %llu bytes at offset %llu lie outside "
+                                "its file (%llu bytes)", r->path, r->line_no, rest_of_line(r), plan->n_expert,
+                                (unsigned long long) d.expert_size, (unsigned long long) d.offset,
+                                (unsigned long long) file_size);
         return RECORD_FAILED;
     }
     struct empanel_tensor_desc * tensors = grow(plan->tensors, plan->n_tensors, sizeof(*plan->tensors));
@@ -424,11 +422,11 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
         k++;
     }
     if ((k == n_kinds || g_records[k].sized) && !(plan->seen & PLAN_SHAPE)) {
-        empanel_format_err(err, err_size, "%s:%d: '%s' before 'shape'", r->path, r->line_no, kind);
+        empanel_util_format_err(err, err_size, "%s:%d: '%s' before 'shape'", r->path, r->line_no, kind);
         return -1;
     }
     if (k == n_kinds) {
-        empanel_format_err(err, err_size, "%s:%d: unknown record '%s'", r->path, r->line_no, kind);
+        empanel_util_format_err(err, err_size, "%s:%d: unknown record '%s'", r->path, r->line_no, kind);
         return -1;
     }
     enum record_result got = g_records[k].parse(r, plan, err, err_size);
@@ -441,10 +439,10 @@ static int parse_record(struct plan_reader * r, struct empanel_plan * plan, char
             plan->seen |= g_records[k].seen;
             return 0;
         case RECORD_BAD:
-            empanel_format_err(err, err_size, "%s:%d: a bad '%s' record", r->path, r->line_no, kind);
+            empanel_util_format_err(err, err_size, "%s:%d: a bad '%s' record", r->path, r->line_no, kind);
             return -1;
         case RECORD_OOM:
-            empanel_format_err(err, err_size, "%s:%d: out of memory", r->path, r->line_no);
+            empanel_util_format_err(err, err_size, "%s:%d: out of memory", r->path, r->line_no);
             return -1;
         default:
             return -1;
@@ -487,16 +485,16 @@ static int plan_parse(FILE * f, const char * source, const char * model_path, st
     // the header and the model first: a load of another model (a draft model) takes no plan
     const char * magic = next_line(&r) ? next_field(&r) : NULL;
     if (magic == NULL || strcmp(magic, "empanel-plan") != 0 || field_i64(&r, &version) != 0) {
-        empanel_format_err(err, err_size, "%s is not an empanel plan", source);
+        empanel_util_format_err(err, err_size, "%s is not an empanel plan", source);
         goto done;
     }
     if (version != EMPANEL_PLAN_VERSION) {
-        empanel_format_err(err, err_size, "%s: plan version %" PRId64 ", this sidecar reads version %d (the package and "
+        empanel_util_format_err(err, err_size, "%s: plan version %" PRId64 ", this sidecar reads version %d (the package and "
                 "its libraries are from different builds)", source, version, EMPANEL_PLAN_VERSION);
         goto done;
     }
     if (!next_line(&r) || parse_record(&r, plan, err, err_size) != 0 || plan->model[0] == '\0') {
-        empanel_format_err(err, err_size, "%s:%d: the second record must be 'model'", source, r.line_no);
+        empanel_util_format_err(err, err_size, "%s:%d: the second record must be 'model'", source, r.line_no);
         goto done;
     }
     char resolved[PATH_MAX];
@@ -520,20 +518,20 @@ static int plan_parse(FILE * f, const char * source, const char * model_path, st
         required &= ~PLAN_TENSOR; // observed layers only (a routing trace): no pool tensor
     }
     if (!ended || (plan->seen & required) != required) {
-        empanel_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
-                           "model, file, shape, params, guess, subst, preload, slots, tensor)", source);
+        empanel_util_format_err(err, err_size, "%s: incomplete plan (no 'end' record, or a required record missing: "
+                                "model, file, shape, params, guess, subst, preload, slots, tensor)", source);
         goto done;
     }
     for (int32_t il = 0; il < plan->n_layer; il++) {
         if (plan->n_slots[il] > 0 && plan->n_slots[il] < plan->n_expert_used) {
-            empanel_format_err(err, err_size, "%s: layer %d has %d slots, fewer than the %d experts a token uses",
-                               source, il, plan->n_slots[il], plan->n_expert_used);
+            empanel_util_format_err(err, err_size, "%s: layer %d has %d slots, fewer than the %d experts a token uses",
+                                    source, il, plan->n_slots[il], plan->n_expert_used);
             goto done;
         }
     }
     if (plan->pinned && !plan->preload) {
-        empanel_format_err(err, err_size, "%s: 'pin 1' needs 'preload 1' (pinned pools hold expert e in slot e "
-                           "from the load on)", source);
+        empanel_util_format_err(err, err_size, "%s: 'pin 1' needs 'preload 1' (pinned pools hold expert e in slot e "
+                                "from the load on)", source);
         goto done;
     }
     rc = 1;
@@ -542,7 +540,7 @@ done:
         empanel_plan_free(plan);
     }
     if (rc < 0 && err != NULL && err_size > 0 && err[0] == '\0') {
-        empanel_format_err(err, err_size, "%s: could not be read", source);
+        empanel_util_format_err(err, err_size, "%s: could not be read", source);
     }
     free(r.line);
     return rc;
@@ -551,10 +549,10 @@ done:
 int empanel_plan_read(const char * plan_path, const char * model_path, struct empanel_plan * plan, char * err,
                       size_t err_size) {
     memset(plan, 0, sizeof(*plan));
-    empanel_format_err(err, err_size, "%s", "");
+    empanel_util_format_err(err, err_size, "%s", "");
     FILE * f = fopen(plan_path, "r");
     if (f == NULL) {
-        empanel_format_err(err, err_size, "the plan %s: %s", plan_path, strerror(errno));
+        empanel_util_format_err(err, err_size, "the plan %s: %s", plan_path, strerror(errno));
         return -1;
     }
     const int rc = plan_parse(f, plan_path, model_path, plan, err, err_size);
@@ -565,10 +563,10 @@ int empanel_plan_read(const char * plan_path, const char * model_path, struct em
 int empanel_plan_read_text(const char * text, const char * model_path, struct empanel_plan * plan, char * err,
                            size_t err_size) {
     memset(plan, 0, sizeof(*plan));
-    empanel_format_err(err, err_size, "%s", "");
+    empanel_util_format_err(err, err_size, "%s", "");
     FILE * f = fmemopen((void *) text, strlen(text), "r");
     if (f == NULL) {
-        empanel_format_err(err, err_size, "the plan: %s", strerror(errno));
+        empanel_util_format_err(err, err_size, "the plan: %s", strerror(errno));
         return -1;
     }
     const int rc = plan_parse(f, "the plan", model_path, plan, err, err_size);

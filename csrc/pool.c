@@ -1,54 +1,26 @@
-// Expert slot pools, their lifecycle and public API: made (with their files, reader threads and
-// tables), bound to llama.cpp's pool tensors, freed; their error and its recovery, statistics and
-// digests. Which expert goes where is slots.c's and remap.c's; reads are batch.c's.
+// Expert slot pools, their lifecycle: made (with their files, reader threads and tables), bound
+// to llama.cpp's pool tensors, freed; the policy lab's pools (no files); the error's recovery and
+// the digests. Which expert goes where is slots.c's and remap.c's; reads are batch.c's; what a
+// pool reports is stats.c's.
 //
-// One empanel_pool per model; one empanel_layer per layer of it (empanel-impl.h).
+// One empanel_pool per model (state.h); one empanel_layer per layer of it (layer.h).
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "pool.h"
+#include "backend.h"
+#include "batch.h"
+#include "files.h"
+#include "host_cache.h"
+#include "reader.h"
+#include "remote.h"
+#include "rpc.h"
+#include "slots.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-int32_t empanel_sidecar_version(void) {
-    return EMPANEL_SIDECAR_VERSION;
-}
-
-const char * empanel_policy_name(int32_t policy) {
-#define POLICY_NAME(id, name) name,
-    static const char * const names[] = { EMPANEL_POLICIES(POLICY_NAME) };
-#undef POLICY_NAME
-    const int32_t n = (int32_t) (sizeof(names) / sizeof(names[0]));
-    return policy >= 0 && policy < n ? names[policy] : NULL;
-}
-
-_Bool empanel_pool_failed(void * user) {
-    const struct empanel_pool * pool = user;
-    return atomic_load(&pool->failed) != 0;
-}
-
-int32_t empanel_pool_read_io(struct empanel_pool * pool) {
-    return empanel_reader_io(pool);
-}
-
-int32_t empanel_uring_available(char * why, size_t why_size) {
-    struct empanel_ring * ring = NULL;
-    if (empanel_ring_init(&ring, 4, why, why_size) != 0) {
-        return 0;
-    }
-    empanel_ring_free(ring);
-    return 1;
-}
-
-const char * empanel_pool_notice(struct empanel_pool * pool) {
-    return pool->notice;
-}
-
-const char * empanel_pool_error(struct empanel_pool * pool) {
-    return atomic_load(&pool->failed) ? pool->error : "";
-}
 
 void empanel_pool_clear_error(struct empanel_pool * pool) {
     pthread_mutex_lock(&pool->lock);
@@ -61,9 +33,9 @@ void empanel_pool_clear_error(struct empanel_pool * pool) {
             empanel_slots_reconcile(pool, &pool->layers[il]);
         }
     }
-    atomic_store(&pool->failed, 0); // no reader threads run now: the message is free again
-    pool->error[0] = '\0';
-    atomic_store(&pool->error_claimed, 0);
+    atomic_store(&pool->error.failed, 0); // no reader threads run now: the message is free again
+    pool->error.message[0] = '\0';
+    atomic_store(&pool->error.claimed, 0);
     pthread_mutex_unlock(&pool->lock);
 }
 
@@ -128,8 +100,7 @@ static void layer_free(struct empanel_layer * layer) {
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         free(layer->tensors[i].held);
         free(layer->tensors[i].digest);
-        free(layer->tensors[i].remote_hash);
-        free(layer->tensors[i].remote_sent);
+        empanel_remote_free(layer->tensors[i].remote);
     }
 }
 
@@ -137,21 +108,21 @@ static void layer_free(struct empanel_layer * layer) {
 static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int32_t * n_slots, int32_t n_expert,
                                       char * err, size_t err_size) {
     if (n_layer <= 0 || n_expert <= 0) {
-        empanel_format_err(err, err_size, "empanel_pool_init: need layers and experts");
+        empanel_util_format_err(err, err_size, "empanel_pool_init: need layers and experts");
         return NULL;
     }
     if (policy != EMPANEL_POLICY_LRU && policy != EMPANEL_POLICY_LFU_DECAY && policy != EMPANEL_POLICY_GLRU) {
-        empanel_format_err(err, err_size, "empanel_pool_init: unknown policy %d", policy);
+        empanel_util_format_err(err, err_size, "empanel_pool_init: unknown policy %d", policy);
         return NULL;
     }
     struct empanel_pool * pool = calloc(1, sizeof(*pool));
     if (pool == NULL) {
-        empanel_format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_util_format_err(err, err_size, "empanel_pool_init: out of memory");
         return NULL;
     }
     pthread_mutex_init(&pool->lock, NULL);
-    atomic_init(&pool->failed, 0);
-    atomic_init(&pool->error_claimed, 0);
+    atomic_init(&pool->error.failed, 0);
+    atomic_init(&pool->error.claimed, 0);
     atomic_init(&pool->fault.n_requests, 0);
     const char * fault = getenv("EMPANEL_FAULT_READ_AFTER");
     pool->fault.after = fault != NULL ? atoll(fault) : 0;
@@ -161,12 +132,12 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     pool->fault.short_reads = fault_short != NULL && atoi(fault_short) != 0;
     pool->n_layer      = n_layer;
     pool->n_expert     = n_expert;
-    pool->policy       = policy;
-    pool->watch_fd     = -1;
-    pool->changed_file = -1;
+    pool->config.policy       = policy;
+    pool->files.watch_fd     = -1;
+    pool->files.changed = -1;
     pool->layers   = calloc(n_layer, sizeof(struct empanel_layer));
     if (pool->layers == NULL) {
-        empanel_format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_util_format_err(err, err_size, "empanel_pool_init: out of memory");
         empanel_pool_free(pool);
         return NULL;
     }
@@ -176,12 +147,12 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
             continue;
         }
         if (n_slots[il] > n_expert) {
-            empanel_format_err(err, err_size, "layer %d: %d slots for %d experts", il, n_slots[il], n_expert);
+            empanel_util_format_err(err, err_size, "layer %d: %d slots for %d experts", il, n_slots[il], n_expert);
             empanel_pool_free(pool);
             return NULL;
         }
         if (layer_alloc(&pool->layers[il], n_slots[il], n_expert) != 0) {
-            empanel_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", il);
+            empanel_util_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", il);
             empanel_pool_free(pool);
             return NULL;
         }
@@ -201,7 +172,7 @@ static int pool_link_lru(struct empanel_pool * pool, uint64_t budget_bytes, char
     pool->glru.next    = malloc(sizeof(int32_t) * (pool->glru.n_entries + 1));
     pool->glru.entry_layer = malloc(sizeof(int32_t) * (pool->glru.n_entries + 1));
     if (!pool->glru.prev || !pool->glru.next || !pool->glru.entry_layer) {
-        empanel_format_err(err, err_size, "empanel_pool_init: out of memory");
+        empanel_util_format_err(err, err_size, "empanel_pool_init: out of memory");
         return -1;
     }
     for (int32_t il = 0; il < pool->n_layer; il++) {
@@ -217,20 +188,20 @@ static int pool_add_tensor(struct empanel_pool * pool, const struct empanel_tens
                            int verify, char * err, size_t err_size) {
     const int32_t n_expert = pool->n_expert;
     if (d->layer < 0 || d->layer >= pool->n_layer || pool->layers[d->layer].n_slots == 0) {
-        empanel_format_err(err, err_size, "%s: layer %d is not paged", d->name, d->layer);
+        empanel_util_format_err(err, err_size, "%s: layer %d is not paged", d->name, d->layer);
         return -1;
     }
     struct empanel_layer * layer = &pool->layers[d->layer];
     if (layer->n_tensors == EMPANEL_MAX_TENSORS) {
-        empanel_format_err(err, err_size, "%s: more than %d expert tensors in layer %d", d->name, EMPANEL_MAX_TENSORS, d->layer);
+        empanel_util_format_err(err, err_size, "%s: more than %d expert tensors in layer %d", d->name, EMPANEL_MAX_TENSORS, d->layer);
         return -1;
     }
     // no sum wraps: offset + n_expert x expert_size <= size, checked by division
-    const int      in_files  = d->file >= 0 && d->file < pool->n_files;
-    const uint64_t file_size = in_files ? pool->files[d->file].size : 0;
+    const int      in_files  = d->file >= 0 && d->file < pool->files.n;
+    const uint64_t file_size = in_files ? pool->files.list[d->file].size : 0;
     if (!in_files || d->expert_size == 0 || d->offset > file_size ||
         d->expert_size > (file_size - d->offset) / (uint64_t) n_expert) {
-        empanel_format_err(err, err_size, "%s: experts lie outside %s (offset %llu + %d x %llu bytes > %llu)",
+        empanel_util_format_err(err, err_size, "%s: experts lie outside %s (offset %llu + %d x %llu bytes > %llu)",
                    d->name, in_files ? paths[d->file] : "?", (unsigned long long) d->offset, n_expert,
                    (unsigned long long) d->expert_size, (unsigned long long) file_size);
         return -1;
@@ -243,7 +214,7 @@ static int pool_add_tensor(struct empanel_pool * pool, const struct empanel_tens
     t->held        = malloc(sizeof(int32_t) * layer->n_slots);                          // [n_slots]
     t->digest      = verify ? calloc((size_t) n_expert, sizeof(uint64_t)) : NULL;        // [n_expert], 0: not known yet
     if (t->held == NULL || (verify && t->digest == NULL)) {
-        empanel_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
+        empanel_util_format_err(err, err_size, "empanel_pool_init: out of memory for layer %d", d->layer);
         return -1;
     }
     for (int32_t s = 0; s < layer->n_slots; s++) {
@@ -265,7 +236,7 @@ struct empanel_pool * empanel_pool_init(
         char               * err,
         size_t               err_size) {
     if (n_paths <= 0) {
-        empanel_format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
+        empanel_util_format_err(err, err_size, "empanel_pool_init: need files, layers and experts");
         return NULL;
     }
     const int32_t policy = params != NULL ? params->policy : EMPANEL_POLICY_LRU;
@@ -274,15 +245,15 @@ struct empanel_pool * empanel_pool_init(
         return NULL;
     }
     const int direct_io = params == NULL || params->direct_io >= 0;
-    pool->prefetch    = params != NULL && params->prefetch > 0 ? params->prefetch : 0;
-    pool->subst_ratio = params != NULL && params->subst_ratio > 0 ? params->subst_ratio : 0;
-    pool->verify      = params != NULL && params->verify;
-    const int32_t  n_threads   = params != NULL && params->n_threads  >= 0 ? params->n_threads   : 8;
-    const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : 256u << 10;
+    pool->config.prefetch    = params != NULL && params->prefetch > 0 ? params->prefetch : 0;
+    pool->config.subst_ratio = params != NULL && params->subst_ratio > 0 ? params->subst_ratio : 0;
+    pool->config.verify      = params != NULL && params->verify;
+    const int32_t  n_threads   = params != NULL && params->n_threads  >= 0 ? params->n_threads   : EMPANEL_DEFAULT_READ_THREADS;
+    const uint64_t chunk_bytes = params != NULL && params->chunk_bytes > 0 ? params->chunk_bytes : EMPANEL_DEFAULT_CHUNK_KB * 1024u;
 
     int rc = empanel_files_open(pool, paths, n_paths, direct_io, err, err_size);
     for (int32_t i = 0; rc == 0 && i < n_tensors; i++) {
-        rc = pool_add_tensor(pool, &tensors[i], paths, pool->verify, err, err_size);
+        rc = pool_add_tensor(pool, &tensors[i], paths, pool->config.verify, err, err_size);
     }
     if (rc != 0 || pool_link_lru(pool, params != NULL ? params->budget_bytes : 0, err, err_size) != 0 ||
         empanel_reader_start(pool, n_threads, chunk_bytes, params != NULL ? params->read_io : EMPANEL_READ_IO_AUTO,
@@ -300,7 +271,7 @@ struct empanel_pool * empanel_lab_init(int32_t policy, int32_t n_layer, const in
     if (pool == NULL) {
         return NULL;
     }
-    pool->lab = 1;
+    pool->config.lab = 1;
     for (int32_t il = 0; il < n_layer; il++) {
         pool->layers[il].expert_bytes = expert_bytes[il];
     }
@@ -331,8 +302,8 @@ void empanel_pool_free(struct empanel_pool * pool) {
     }
     empanel_files_close(pool);
     for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
-        free(pool->batch[lane].jobs);
-        free(pool->batch[lane].chunks);
+        free(pool->lanes.batch[lane].jobs);
+        free(pool->lanes.batch[lane].chunks);
     }
     if (!empanel_reader_lost(pool)) { // (else the kernel may still read into it: kept)
         empanel_batch_staging_free(pool);
@@ -346,32 +317,6 @@ void empanel_pool_free(struct empanel_pool * pool) {
     free(pool);
 }
 
-uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool) {
-    pthread_mutex_lock(&pool->lock);
-    uint64_t bytes = 0;
-    for (int32_t il = 0; il < pool->n_layer; il++) {
-        const struct empanel_layer * layer = &pool->layers[il];
-        for (int32_t s = 0; s < layer->n_slots; s++) {
-            bytes += layer->tables.expert_in[s] >= 0 ? layer->expert_bytes : 0;
-        }
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return bytes;
-}
-
-int32_t empanel_pool_slots(struct empanel_pool * pool, int32_t il, int32_t * expert_in, int32_t max) {
-    if (il < 0 || il >= pool->n_layer) {
-        return 0;
-    }
-    pthread_mutex_lock(&pool->lock);
-    const struct empanel_layer * layer = &pool->layers[il];
-    for (int32_t s = 0; s < layer->n_slots && s < max; s++) {
-        expert_in[s] = layer->tables.expert_in[s];
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return layer->n_slots;
-}
-
 int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const struct llama_empanel_pool_info * info) {
     for (int32_t il = 0; il < pool->n_layer; il++) {
         struct empanel_layer * layer = &pool->layers[il];
@@ -381,55 +326,49 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const s
                 continue;
             }
             if (info == NULL || info->tensor == NULL) {
-                empanel_set_error(pool, "%s: llama.cpp made no slot pool for it", name);
+                empanel_util_set_error(pool, "%s: llama.cpp made no slot pool for it", name);
                 return -1;
             }
             // reads write expert_size bytes into a slot and host pools give back memory by it:
             // the tensor must be the plan's [.., .., n_slots] of expert_size bytes a slot
             if (info->n_slots != layer->n_slots || info->slot_bytes != t->expert_size) {
-                empanel_set_error(pool, "%s: llama.cpp's slot pool has %lld slots of %llu bytes, the plan %d of %llu "
-                                  "(a plan for another file or build: plan the load again)", name,
-                                  (long long) info->n_slots, (unsigned long long) info->slot_bytes, layer->n_slots,
-                                  (unsigned long long) t->expert_size);
+                empanel_util_set_error(pool, "%s: llama.cpp's slot pool has %lld slots of %llu bytes, the plan %d of %llu "
+                                       "(a plan for another file or build: plan the load again)", name,
+                                       (long long) info->n_slots, (unsigned long long) info->slot_bytes, layer->n_slots,
+                                       (unsigned long long) t->expert_size);
                 return -1;
             }
             void * pool_tensor = info->tensor;
             t->pool   = pool_tensor;
-            t->direct = empanel_slot_data(pool_tensor, 0) != NULL;
+            t->direct = empanel_backend_slot_data(pool_tensor, 0) != NULL;
             t->masked = info->masked;
-            t->host   = empanel_pool_host_data(pool_tensor);
+            t->host   = empanel_backend_host_data(pool_tensor);
             layer->device |= t->host == NULL;
-            t->remote = empanel_rpc_tensor(pool_tensor);
-            if (t->remote && t->remote_hash == NULL) {
-                t->remote_cache = 1;
-                t->remote_hash  = calloc((size_t) pool->n_expert, sizeof(uint64_t)); // [n_expert]
-                t->remote_sent  = calloc((size_t) pool->n_expert, sizeof(uint8_t));  // [n_expert]
-                if (t->remote_hash == NULL || t->remote_sent == NULL) {
-                    empanel_set_error(pool, "%s: out of memory", name);
-                    return -1;
-                }
+            if (!empanel_rpc_tensor(pool_tensor)) {
+                empanel_remote_free(t->remote);
+                t->remote = NULL;
+            } else if (t->remote == NULL && (t->remote = empanel_remote_init(pool->n_expert)) == NULL) {
+                empanel_util_set_error(pool, "%s: out of memory", name);
+                return -1;
             }
-            if (t->host == NULL && pool->staging.owner == NULL) {
+            if (t->host == NULL && pool->lanes.staging.owner == NULL) {
                 empanel_batch_staging_free(pool);         // reads bound for device memory: pinned staging
-                pool->staging.owner = pool_tensor;
+                pool->lanes.staging.owner = pool_tensor;
             }
             if (t->host != NULL) {
                 // zeros, and no memory until a slot is used
-                empanel_memory_release(t->host, (uint64_t) layer->n_slots * t->expert_size, 1);
+                empanel_backend_memory_release(t->host, (uint64_t) layer->n_slots * t->expert_size, 1);
             }
             return 0;
         }
     }
-    empanel_set_error(pool, "%s: not an expert tensor of this pool", name);
+    empanel_util_set_error(pool, "%s: not an expert tensor of this pool", name);
     return -1;
 }
 
-// ------------------------------------------------------------------------------------------------
-// stats
-
 int32_t empanel_pool_set_digests(struct empanel_pool * pool, const char * name, const uint64_t * digests,
                                  int32_t n_expert) {
-    if (!pool->verify || n_expert != pool->n_expert) {
+    if (!pool->config.verify || n_expert != pool->n_expert) {
         return -1;
     }
     for (int32_t il = 0; il < pool->n_layer; il++) {
@@ -445,28 +384,4 @@ int32_t empanel_pool_set_digests(struct empanel_pool * pool, const char * name, 
         }
     }
     return -1;
-}
-
-void empanel_stats_get(struct empanel_pool * pool, int32_t il, struct empanel_layer_stats * out) {
-    memset(out, 0, sizeof(*out));
-    if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots == 0) {
-        return;
-    }
-    pthread_mutex_lock(&pool->lock);
-    const struct empanel_layer * layer = &pool->layers[il];
-    *out = layer->stats;
-    out->n_slots    = layer->n_slots;
-    out->n_resident = 0;
-    for (int32_t s = 0; s < layer->n_slots; s++) {
-        out->n_resident += layer->tables.expert_in[s] >= 0;
-    }
-    pthread_mutex_unlock(&pool->lock);
-}
-
-void empanel_stats_reset(struct empanel_pool * pool) {
-    pthread_mutex_lock(&pool->lock);
-    for (int32_t il = 0; il < pool->n_layer; il++) {
-        memset(&pool->layers[il].stats, 0, sizeof(pool->layers[il].stats));
-    }
-    pthread_mutex_unlock(&pool->lock);
 }

@@ -1,8 +1,12 @@
 // Preload: the empty slots of every paged layer filled at load, in a profile's order or by
 // expert id, read in file order; the order's first stays resident longest.
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "preload.h"
+#include "batch.h"
+#include "files.h"
+#include "slots.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +42,7 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
         if (e < 0) {
             break;
         }
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
             if (pool->glru.resident_bytes + layer->expert_bytes > pool->glru.budget_bytes) {
                 break; // the budget is full: no eviction for a guess
             }
@@ -61,22 +65,22 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
     if (n > 0 && empanel_batch_fill_slots(pool, layer, n) != 0) {
         return -1;
     }
-    if (pool->policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
+    if (pool->config.policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
         for (int32_t i = 0; i < n; i++) {
             layer->tables.order_key[i] = (layer->tables.last_use[layer->tables.victims[i]] - call) << 32 | (uint32_t) layer->tables.victims[i];
         }
-        qsort(layer->tables.order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
+        qsort(layer->tables.order_key, (size_t) n, sizeof(uint64_t), empanel_util_compare_uint64);
         for (int32_t i = 0; i < n; i++) {
             const int32_t e = layer->lru_base + (int32_t) (layer->tables.order_key[i] & 0xffffffffu);
-            empanel_lru_unlink(pool, e);
-            empanel_lru_push_recent(pool, e);
+            empanel_slots_glru_unlink(pool, e);
+            empanel_slots_glru_push_recent(pool, e);
         }
     }
     layer->stats.preloaded += (uint64_t) n;
     return n;
 }
 
-int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
+int32_t empanel_preload_order(struct empanel_pool * pool, int32_t il, const int32_t * experts,
                                    const uint32_t * uses, int32_t n) {
     if (il < 0 || il >= pool->n_layer || pool->layers[il].n_slots <= 0 || n < 0 || n > pool->n_expert) {
         return -1;
@@ -111,15 +115,15 @@ int32_t empanel_pool_preload_order(struct empanel_pool * pool, int32_t il, const
     return 0;
 }
 
-int64_t empanel_pool_preload(struct empanel_pool * pool) {
+int64_t empanel_preload(struct empanel_pool * pool) {
     pthread_mutex_lock(&pool->lock);
     int64_t n_read = 0;
-    if (atomic_load(&pool->failed) || empanel_batch_finish(pool) != 0 || empanel_files_check(pool) != 0) {
+    if (atomic_load(&pool->error.failed) || empanel_batch_finish(pool) != 0 || empanel_files_check(pool) != 0) {
         n_read = -1;
     }
     // g-lru: each layer its even share of the budget, not the first layers all of it
     uint64_t per_layer_bytes = 0;
-    if (pool->policy == EMPANEL_POLICY_GLRU) {
+    if (pool->config.policy == EMPANEL_POLICY_GLRU) {
         int32_t n_paged = 0;
         for (int32_t il = 0; il < pool->n_layer; il++) {
             n_paged += pool->layers[il].n_slots > 0 && !pool->layers[il].observe;
@@ -132,7 +136,7 @@ int64_t empanel_pool_preload(struct empanel_pool * pool) {
             continue;
         }
         int32_t max_fill = layer->n_slots;
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
             const uint64_t share = per_layer_bytes / layer->expert_bytes;
             max_fill = share < (uint64_t) max_fill ? (int32_t) share : max_fill;
         }
@@ -143,7 +147,7 @@ int64_t empanel_pool_preload(struct empanel_pool * pool) {
     return n_read;
 }
 
-int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err_size) {
+int empanel_preload_check_pinned(struct empanel_pool * pool, char * err, size_t err_size) {
     pthread_mutex_lock(&pool->lock);
     int rc = 0;
     for (int32_t il = 0; il < pool->n_layer && rc == 0; il++) {
@@ -153,9 +157,9 @@ int empanel_pool_check_pinned(struct empanel_pool * pool, char * err, size_t err
         }
         for (int32_t s = 0; s < pool->n_expert && rc == 0; s++) {
             if (layer->tables.expert_in[s] != s) {
-                empanel_format_err(err, err_size, "pinned pools: layer %d, slot %d holds expert %d after the preload, "
-                                   "not %d (load with moe_preload on, and without a preload order)", il, s,
-                                   layer->tables.expert_in[s], s);
+                empanel_util_format_err(err, err_size, "pinned pools: layer %d, slot %d holds expert %d after the preload, "
+                                        "not %d (load with moe_preload on, and without a preload order)", il, s,
+                                        layer->tables.expert_in[s], s);
                 rc = -1;
             }
         }

@@ -5,7 +5,7 @@
 // the calling thread take chunks until none is left, so one expert keeps every thread (and the
 // drive's queue) busy. Pools in plain host memory receive the bytes in their slots directly;
 // others (CPU_REPACK, device memory) get them from a staging buffer through
-// empanel_slot_write (backend.c; CPU_REPACK: by the thread that lands an expert's last chunk; device
+// empanel_backend_slot_write (backend.c; CPU_REPACK: by the thread that lands an expert's last chunk; device
 // memory: once the batch is read).
 //
 // Two paths issue the reads (struct empanel_pool_params.read_io, EMPANEL_READ_IO):
@@ -23,7 +23,12 @@
 // quarter of its depth of read-ahead in flight, so a demand read waits behind a few read-ahead
 // chunks at most.
 
-#include "empanel-impl.h"
+#include "reader.h"
+#include "backend.h"
+#include "chunk.h"
+#include "ring.h"
+#include "util.h"
+#include "state.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -48,7 +53,7 @@ static void fail_rest(struct empanel_reader * reader, struct empanel_posted * p)
 // batch is posted in the demand lane after demand_seen (0: chunks are left)
 static int work_batch(struct empanel_reader * reader, int32_t lane, uint64_t demand_seen, uint8_t * bounce) {
     struct empanel_posted * p = &reader->posted[lane];
-    const uint64_t cpu0 = empanel_thread_cpu_ns();
+    const uint64_t cpu0 = empanel_util_thread_cpu_ns();
     int all = 1;
     for (;;) {
         if (lane != EMPANEL_LANE_DEMAND && atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]) != demand_seen) {
@@ -62,7 +67,7 @@ static int work_batch(struct empanel_reader * reader, int32_t lane, uint64_t dem
         empanel_chunk_read(reader, p, i, bounce);
     }
     // counted before this thread leaves the lane: empanel_batch_finish_lane waits for that (busy)
-    atomic_fetch_add(&p->cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    atomic_fetch_add(&p->cpu_ns, empanel_util_thread_cpu_ns() - cpu0);
     return all;
 }
 
@@ -94,18 +99,18 @@ struct ring_lane {
 // the kernel stopped answering with reads in flight: they and the chunks not taken fail
 static void ring_lost(struct empanel_reader * reader, struct ring_lane * lanes, struct empanel_ring_read ** free_reads,
                       int32_t n_free) {
-    struct empanel_ring * ring = reader->ring;
-    atomic_store(&reader->ring_state, RING_LOST);
-    empanel_set_error(reader->pool, "empanel: io_uring stopped answering (%s) with %d reads in flight; no "
-                      "read is safe in this process any more: reload the model with EMPANEL_READ_IO=threads",
-                      strerror(empanel_ring_broken(ring)), empanel_ring_in_flight(ring));
-    for (int32_t k = 0; k < reader->depth; k++) {
+    struct empanel_ring * ring = reader->uring.ring;
+    atomic_store(&reader->uring.state, RING_LOST);
+    empanel_util_set_error(reader->pool, "empanel: io_uring stopped answering (%s) with %d reads in flight; no "
+                           "read is safe in this process any more: reload the model with EMPANEL_READ_IO=threads",
+                           strerror(empanel_ring_broken(ring)), empanel_ring_in_flight(ring));
+    for (int32_t k = 0; k < reader->uring.depth; k++) {
         int is_free = 0;
         for (int32_t m = 0; m < n_free; m++) {
-            is_free |= free_reads[m] == &reader->ring_ops[k];
+            is_free |= free_reads[m] == &reader->uring.ops[k];
         }
         if (!is_free) {
-            struct empanel_ring_read * r = &reader->ring_ops[k];
+            struct empanel_ring_read * r = &reader->uring.ops[k];
             empanel_chunk_land(reader, &reader->posted[r->lane], r->chunk, EMPANEL_CHUNK_FAILED);
             lanes[r->lane].in_flight--;
         }
@@ -126,7 +131,7 @@ static int chunks_left(const struct empanel_posted * p) {
 // read-ahead lane keeps a quarter of the depth in flight at most, until its caller waits for it);
 // -1 if none. *chunk: its index
 static int32_t ring_next_chunk(struct empanel_reader * reader, struct ring_lane * lanes, int * chunk) {
-    const int32_t ahead_max = reader->depth / 4 > 0 ? reader->depth / 4 : 1;
+    const int32_t ahead_max = reader->uring.depth / 4 > 0 ? reader->uring.depth / 4 : 1;
     for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
         struct empanel_posted * p = &reader->posted[lane];
         if (!lanes[lane].in || !chunks_left(p) ||
@@ -142,39 +147,102 @@ static int32_t ring_next_chunk(struct empanel_reader * reader, struct ring_lane 
     return -1;
 }
 
+// the ring thread, under the mutex: leave the lanes done with, go into those with a new batch;
+// whether it is in any lane
+static int ring_enter_lanes(struct empanel_reader * reader, struct ring_lane * lanes) {
+    int any = 0;
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        struct ring_lane * l = &lanes[lane];
+        if (l->in && !chunks_left(&reader->posted[lane]) && l->in_flight == 0) {
+            l->in = 0;
+            leave_lane(reader, lane);
+        }
+        const uint64_t posts = atomic_load(&reader->posts[lane]);
+        if (!l->in && posts != l->batch) {
+            l->in     = 1;
+            l->batch  = posts;
+            atomic_fetch_add(&reader->posted[lane].busy, 1);
+        }
+        any |= l->in;
+    }
+    return any;
+}
+
+// the ring thread without its ring: broken (RING_OFF), pread, a lane at a time; lost
+// (RING_LOST), every chunk fails
+static void ring_off(struct empanel_reader * reader, const struct ring_lane * lanes, int state) {
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        if (lanes[lane].in && chunks_left(&reader->posted[lane]) && lanes[lane].in_flight == 0) {
+            if (state == RING_LOST) {
+                empanel_util_set_error(reader->pool, "empanel: io_uring lost reads earlier in this process (see "
+                                       "the first error); reload the model with EMPANEL_READ_IO=threads");
+                fail_rest(reader, &reader->posted[lane]);
+            } else { // (it stops early if a demand batch comes: that one first)
+                work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]), reader->bounce[0]);
+            }
+        }
+    }
+}
+
+// queue the next chunks of the lanes into the free reads of the ring (the demand lane's first);
+// chunks not to be read (skipped, failed) land at once
+static void ring_fill(struct empanel_reader * reader, struct ring_lane * lanes, struct empanel_ring_read ** free_reads,
+                      int32_t * n_free) {
+    struct empanel_ring * ring = reader->uring.ring;
+    int     i    = 0;
+    int32_t lane = -1;
+    while (*n_free > 0 && empanel_ring_room(ring) > 0 && (lane = ring_next_chunk(reader, lanes, &i)) >= 0) {
+        struct empanel_posted * p = &reader->posted[lane];
+        enum empanel_chunk_outcome outcome = empanel_chunk_before_read(reader, p, &p->chunks[i]);
+        if (outcome == EMPANEL_CHUNK_READ &&
+            empanel_chunk_ring_prepare(reader, lane, i, free_reads[*n_free - 1]) != 0) {
+            outcome = EMPANEL_CHUNK_FAILED;
+        }
+        if (outcome != EMPANEL_CHUNK_READ) {
+            empanel_chunk_land(reader, p, i, outcome);
+            continue;
+        }
+        empanel_ring_queue(ring, free_reads[--*n_free]);
+        lanes[lane].in_flight++;
+    }
+}
+
+// wait for one read of the ring and land it (its thread's CPU since *cpu_mark counted to its
+// batch); the ring lost: every read in flight fails
+static void ring_land_one(struct empanel_reader * reader, struct ring_lane * lanes,
+                          struct empanel_ring_read ** free_reads, int32_t * n_free, uint64_t * cpu_mark) {
+    struct empanel_ring_read * r = empanel_ring_reap(reader->uring.ring);
+    if (r == NULL) {
+        ring_lost(reader, lanes, free_reads, *n_free);
+        return;
+    }
+    struct empanel_posted * p = &reader->posted[r->lane];
+    lanes[r->lane].in_flight--;
+    empanel_chunk_land(reader, p, r->chunk, empanel_chunk_ring_landed(reader, r));
+    free_reads[(*n_free)++] = r;
+    // its CPU since the last landing: counted before the thread leaves the lane
+    const uint64_t now = empanel_util_thread_cpu_ns();
+    atomic_fetch_add(&p->cpu_ns, now - *cpu_mark);
+    *cpu_mark = now;
+}
+
 // io_uring: the ring thread. It goes into a lane when a batch is posted there, keeps up to depth
 // chunks in flight (the demand lane's first), lands each as it completes, and leaves a lane once
 // it has no chunk left to take there and none in flight. A ring that broke (RING_OFF) reads with
 // pread; a lost one (RING_LOST) fails every chunk
 static void ring_thread(struct empanel_reader * reader) {
-    struct empanel_ring * ring = reader->ring;
+    struct empanel_ring * ring = reader->uring.ring;
     struct ring_lane lanes[EMPANEL_N_LANES];
     memset(lanes, 0, sizeof(lanes));
     struct empanel_ring_read * free_reads[EMPANEL_MAX_QUEUE_DEPTH];
     int32_t n_free = 0;
-    for (int32_t k = reader->depth - 1; k >= 0; k--) {
-        free_reads[n_free++] = &reader->ring_ops[k];
+    for (int32_t k = reader->uring.depth - 1; k >= 0; k--) {
+        free_reads[n_free++] = &reader->uring.ops[k];
     }
-    uint64_t cpu_mark = empanel_thread_cpu_ns();
+    uint64_t cpu_mark = empanel_util_thread_cpu_ns();
     pthread_mutex_lock(&reader->mutex);
     for (;;) {
-        // leave the lanes done with, go into those with a new batch
-        int any = 0;
-        for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
-            struct ring_lane * l = &lanes[lane];
-            if (l->in && !chunks_left(&reader->posted[lane]) && l->in_flight == 0) {
-                l->in = 0;
-                leave_lane(reader, lane);
-            }
-            const uint64_t posts = atomic_load(&reader->posts[lane]);
-            if (!l->in && posts != l->batch) {
-                l->in     = 1;
-                l->batch  = posts;
-                atomic_fetch_add(&reader->posted[lane].busy, 1);
-            }
-            any |= l->in;
-        }
-        if (!any) {
+        if (!ring_enter_lanes(reader, lanes)) {
             if (reader->stop) {
                 break;
             }
@@ -183,56 +251,19 @@ static void ring_thread(struct empanel_reader * reader) {
         }
         pthread_mutex_unlock(&reader->mutex);
 
-        const int state = atomic_load(&reader->ring_state);
-        if (state != RING_OK) { // broken: pread, a lane at a time; lost: every chunk fails
-            for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
-                if (lanes[lane].in && chunks_left(&reader->posted[lane]) && lanes[lane].in_flight == 0) {
-                    if (state == RING_LOST) {
-                        empanel_set_error(reader->pool, "empanel: io_uring lost reads earlier in this process (see "
-                                          "the first error); reload the model with EMPANEL_READ_IO=threads");
-                        fail_rest(reader, &reader->posted[lane]);
-                    } else { // (it stops early if a demand batch comes: that one first)
-                        work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]), reader->bounce[0]);
-                    }
-                }
-            }
-            cpu_mark = empanel_thread_cpu_ns();
+        const int state = atomic_load(&reader->uring.state);
+        if (state != RING_OK) {
+            ring_off(reader, lanes, state);
+            cpu_mark = empanel_util_thread_cpu_ns();
             pthread_mutex_lock(&reader->mutex);
             continue;
         }
-        int     i    = 0;
-        int32_t lane = -1;
-        while (n_free > 0 && empanel_ring_room(ring) > 0 && (lane = ring_next_chunk(reader, lanes, &i)) >= 0) {
-            struct empanel_posted * p = &reader->posted[lane];
-            enum empanel_chunk_outcome outcome = empanel_chunk_before_read(reader, p, &p->chunks[i]);
-            if (outcome == EMPANEL_CHUNK_READ &&
-                empanel_chunk_ring_prepare(reader, lane, i, free_reads[n_free - 1]) != 0) {
-                outcome = EMPANEL_CHUNK_FAILED;
-            }
-            if (outcome != EMPANEL_CHUNK_READ) {
-                empanel_chunk_land(reader, p, i, outcome);
-                continue;
-            }
-            empanel_ring_queue(ring, free_reads[--n_free]);
-            lanes[lane].in_flight++;
-        }
+        ring_fill(reader, lanes, free_reads, &n_free);
         if (empanel_ring_in_flight(ring) > 0) {
-            struct empanel_ring_read * r = empanel_ring_reap(ring);
-            if (r == NULL) {
-                ring_lost(reader, lanes, free_reads, n_free);
-            } else {
-                struct empanel_posted * p = &reader->posted[r->lane];
-                lanes[r->lane].in_flight--;
-                empanel_chunk_land(reader, p, r->chunk, empanel_chunk_ring_landed(reader, r));
-                free_reads[n_free++] = r;
-                // its CPU since the last landing: counted before the thread leaves the lane
-                const uint64_t now = empanel_thread_cpu_ns();
-                atomic_fetch_add(&p->cpu_ns, now - cpu_mark);
-                cpu_mark = now;
-            }
+            ring_land_one(reader, lanes, free_reads, &n_free, &cpu_mark);
         }
-        if (atomic_load(&reader->ring_state) == RING_OK && empanel_ring_broken(ring) && empanel_ring_in_flight(ring) == 0) {
-            atomic_store(&reader->ring_state, RING_OFF); // (its reads failed their batch; the next ones are preads)
+        if (atomic_load(&reader->uring.state) == RING_OK && empanel_ring_broken(ring) && empanel_ring_in_flight(ring) == 0) {
+            atomic_store(&reader->uring.state, RING_OFF); // (its reads failed their batch; the next ones are preads)
         }
         pthread_mutex_lock(&reader->mutex);
     }
@@ -250,7 +281,7 @@ static void * reader_thread(void * arg_) {
     struct empanel_reader * reader = arg->reader;
     uint8_t * bounce = reader->bounce[arg->index];
     free(arg);
-    if (reader->ring != NULL) {
+    if (reader->uring.ring != NULL) {
         ring_thread(reader);
         return NULL;
     }
@@ -303,14 +334,14 @@ static int ring_start(struct empanel_reader * reader, int32_t depth) {
     const char * fault = getenv("EMPANEL_FAULT_URING"); // tests: the kernel refuses io_uring
     if (fault != NULL && atoi(fault) != 0) {
         snprintf(why, sizeof(why), "refused: EMPANEL_FAULT_URING");
-    } else if (empanel_ring_init(&reader->ring, depth, why, sizeof(why)) == 0) {
-        reader->ring_ops = calloc((size_t) depth, sizeof(*reader->ring_ops));
-        if (reader->ring_ops != NULL) {
-            reader->depth = depth;
+    } else if (empanel_ring_init(&reader->uring.ring, depth, why, sizeof(why)) == 0) {
+        reader->uring.ops = calloc((size_t) depth, sizeof(*reader->uring.ops));
+        if (reader->uring.ops != NULL) {
+            reader->uring.depth = depth;
             return 0;
         }
-        empanel_ring_free(reader->ring);
-        reader->ring = NULL;
+        empanel_ring_free(reader->uring.ring);
+        reader->uring.ring = NULL;
         snprintf(why, sizeof(why), "out of memory for %d reads", depth);
     }
     struct empanel_pool * pool = reader->pool;
@@ -320,27 +351,92 @@ static int ring_start(struct empanel_reader * reader, int32_t depth) {
     return -1;
 }
 
-int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, int32_t read_io,
-                         int32_t depth, char * err, size_t err_size) {
-    struct empanel_reader * reader = &pool->reader;
+// the reader's settings are within their bounds; 0, or -1 with the reason in err
+static int check_params(int32_t n_threads, uint64_t chunk_bytes, int32_t read_io, int32_t depth, char * err,
+                        size_t err_size) {
     if (n_threads < 0 || n_threads > EMPANEL_MAX_READ_THREADS) {
-        empanel_format_err(err, err_size, "empanel: %d reader threads (0 to %d)", n_threads, EMPANEL_MAX_READ_THREADS);
+        empanel_util_format_err(err, err_size, "empanel: %d reader threads (0 to %d)", n_threads, EMPANEL_MAX_READ_THREADS);
         return -1;
     }
     if (chunk_bytes > EMPANEL_MAX_CHUNK_BYTES) {
-        empanel_format_err(err, err_size, "empanel: read chunks of %llu bytes (at most %u)",
-                           (unsigned long long) chunk_bytes, EMPANEL_MAX_CHUNK_BYTES);
+        empanel_util_format_err(err, err_size, "empanel: read chunks of %llu bytes (at most %u)",
+                                (unsigned long long) chunk_bytes, EMPANEL_MAX_CHUNK_BYTES);
         return -1;
     }
     if (read_io < EMPANEL_READ_IO_AUTO || read_io > EMPANEL_READ_IO_URING || depth < 0 || depth > EMPANEL_MAX_QUEUE_DEPTH) {
-        empanel_format_err(err, err_size, "empanel: read path %d at queue depth %d (0 to %d)", read_io, depth,
-                           EMPANEL_MAX_QUEUE_DEPTH);
+        empanel_util_format_err(err, err_size, "empanel: read path %d at queue depth %d (0 to %d)", read_io, depth,
+                                EMPANEL_MAX_QUEUE_DEPTH);
+        return -1;
+    }
+    return 0;
+}
+
+// one bounce buffer per thread and the caller's (io_uring: per read of the ring, and the
+// caller's); a chunk's aligned window can straddle one extra block at each end. 0, or -1 with
+// the reason in err (what it made is freed by empanel_reader_stop)
+static int bounce_alloc(struct empanel_reader * reader, int32_t n_threads, char * err, size_t err_size) {
+    const int32_t n_bounce = (reader->uring.ring != NULL ? reader->uring.depth : n_threads) + 1;
+    reader->bounce = calloc((size_t) n_bounce, sizeof(uint8_t *));
+    if (reader->bounce == NULL) {
+        empanel_util_format_err(err, err_size, "empanel: out of memory");
+        return -1;
+    }
+    reader->n_bounce = n_bounce;
+    for (int32_t i = 0; i < reader->n_bounce; i++) {
+        if (posix_memalign((void **) &reader->bounce[i], EMPANEL_ALIGN, reader->chunk_bytes + 2*EMPANEL_ALIGN) != 0) {
+            reader->bounce[i] = NULL;
+            empanel_util_format_err(err, err_size, "empanel: out of memory for read buffers (%d of %llu bytes)",
+                                    reader->n_bounce, (unsigned long long) (reader->chunk_bytes + 2*EMPANEL_ALIGN));
+            return -1;
+        }
+    }
+    for (int32_t k = 0; reader->uring.ring != NULL && k < reader->uring.depth; k++) {
+        reader->uring.ops[k].bounce = reader->bounce[k];
+    }
+    return 0;
+}
+
+// start n_threads reader threads; 0, or -1 with the reason in err (the threads started are
+// joined by empanel_reader_stop)
+static int threads_start(struct empanel_reader * reader, int32_t n_threads, char * err, size_t err_size) {
+    reader->threads = calloc(n_threads > 0 ? (size_t) n_threads : 1, sizeof(pthread_t));
+    if (reader->threads == NULL) {
+        empanel_util_format_err(err, err_size, "empanel: out of memory");
+        return -1;
+    }
+    const char * fault = getenv("EMPANEL_FAULT_THREAD_START"); // tests: thread <n> fails to start (EAGAIN)
+    const int32_t fault_at = fault != NULL ? atoi(fault) : -1;
+    for (int32_t i = 0; i < n_threads; i++) {
+        struct thread_arg * arg = malloc(sizeof(*arg));
+        if (arg == NULL) {
+            empanel_util_format_err(err, err_size, "empanel: out of memory");
+            return -1;
+        }
+        arg->reader = reader;
+        arg->index  = i;
+        const int rc = i == fault_at ? EAGAIN : pthread_create(&reader->threads[i], NULL, reader_thread, arg);
+        if (rc != 0) { // pthread_create returns its error; errno is not set
+            free(arg);
+            empanel_util_format_err(err, err_size, "empanel: cannot start reader thread %d of %d: %s", i, n_threads,
+                                    strerror(rc));
+            return -1;
+        }
+        reader->n_threads++;
+    }
+    return 0;
+}
+
+int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t chunk_bytes, int32_t read_io,
+                         int32_t depth, char * err, size_t err_size) {
+    struct empanel_reader * reader = &pool->reader;
+    if (check_params(n_threads, chunk_bytes, read_io, depth, err, err_size) != 0) {
         return -1;
     }
     reader->pool        = pool;
-    atomic_store(&reader->ring_state, RING_OK);
+    atomic_store(&reader->uring.state, RING_OK);
     // (no reader thread asked for: the caller reads alone, with pread)
-    if (n_threads > 0 && read_io_asked(read_io) == EMPANEL_READ_IO_URING && ring_start(reader, depth > 0 ? depth : 32) == 0) {
+    if (n_threads > 0 && read_io_asked(read_io) == EMPANEL_READ_IO_URING &&
+        ring_start(reader, depth > 0 ? depth : EMPANEL_DEFAULT_QUEUE_DEPTH) == 0) {
         n_threads = 1; // the ring's
     }
     reader->n_threads   = 0;
@@ -349,59 +445,16 @@ int empanel_reader_start(struct empanel_pool * pool, int32_t n_threads, uint64_t
     reader->bounce_all  = getenv("EMPANEL_READ_BOUNCE") != NULL && atoi(getenv("EMPANEL_READ_BOUNCE")) != 0;
     reader->drop_ahead  = getenv("EMPANEL_READ_AHEAD_KEEP") == NULL || atoi(getenv("EMPANEL_READ_AHEAD_KEEP")) == 0;
     reader->beside      = getenv("EMPANEL_READ_AHEAD_BESIDE") == NULL || atoi(getenv("EMPANEL_READ_AHEAD_BESIDE")) != 0;
-    for (int32_t i = 0; i < pool->n_files; i++) {
-        reader->direct |= pool->files[i].fd_direct >= 0;
+    for (int32_t i = 0; i < pool->files.n; i++) {
+        reader->direct |= pool->files.list[i].fd_direct >= 0;
     }
     pthread_mutex_init(&reader->mutex, NULL);
     pthread_cond_init(&reader->cond_work, NULL);
     pthread_cond_init(&reader->cond_done, NULL);
-
-    // one bounce buffer per thread and the caller's; a chunk's aligned window can straddle one
-    // extra block at each end. What a failure leaves is freed by empanel_reader_stop (every
-    // buffer, started threads joined)
-    const int32_t n_bounce = (reader->ring != NULL ? reader->depth : n_threads) + 1;
-    reader->bounce = calloc((size_t) n_bounce, sizeof(uint8_t *));
-    if (reader->bounce == NULL) {
-        empanel_format_err(err, err_size, "empanel: out of memory");
+    if (bounce_alloc(reader, n_threads, err, err_size) != 0) {
         return -1;
     }
-    reader->n_bounce = n_bounce;
-    for (int32_t i = 0; i < reader->n_bounce; i++) {
-        if (posix_memalign((void **) &reader->bounce[i], EMPANEL_ALIGN, reader->chunk_bytes + 2*EMPANEL_ALIGN) != 0) {
-            reader->bounce[i] = NULL;
-            empanel_format_err(err, err_size, "empanel: out of memory for read buffers (%d of %llu bytes)",
-                               reader->n_bounce, (unsigned long long) (reader->chunk_bytes + 2*EMPANEL_ALIGN));
-            return -1;
-        }
-    }
-    for (int32_t k = 0; reader->ring != NULL && k < reader->depth; k++) {
-        reader->ring_ops[k].bounce = reader->bounce[k];
-    }
-    reader->threads = calloc(n_threads > 0 ? (size_t) n_threads : 1, sizeof(pthread_t));
-    if (reader->threads == NULL) {
-        empanel_format_err(err, err_size, "empanel: out of memory");
-        return -1;
-    }
-    const char * fault = getenv("EMPANEL_FAULT_THREAD_START"); // tests: thread <n> fails to start (EAGAIN)
-    const int32_t fault_at = fault != NULL ? atoi(fault) : -1;
-    for (int32_t i = 0; i < n_threads; i++) {
-        struct thread_arg * arg = malloc(sizeof(*arg));
-        if (arg == NULL) {
-            empanel_format_err(err, err_size, "empanel: out of memory");
-            return -1;
-        }
-        arg->reader = reader;
-        arg->index  = i;
-        const int rc = i == fault_at ? EAGAIN : pthread_create(&reader->threads[i], NULL, reader_thread, arg);
-        if (rc != 0) { // pthread_create returns its error; errno is not set
-            free(arg);
-            empanel_format_err(err, err_size, "empanel: cannot start reader thread %d of %d: %s", i, n_threads,
-                               strerror(rc));
-            return -1;
-        }
-        reader->n_threads++;
-    }
-    return 0;
+    return threads_start(reader, n_threads, err, err_size);
 }
 
 void empanel_reader_stop(struct empanel_pool * pool) {
@@ -416,17 +469,17 @@ void empanel_reader_stop(struct empanel_pool * pool) {
     for (int32_t i = 0; i < reader->n_threads; i++) {
         pthread_join(reader->threads[i], NULL);
     }
-    if (atomic_load(&reader->ring_state) != RING_LOST) { // (lost: the kernel may still write into them, kept)
-        empanel_ring_free(reader->ring); // (after the join: no thread is in it, nothing in flight)
-        free(reader->ring_ops);
+    if (atomic_load(&reader->uring.state) != RING_LOST) { // (lost: the kernel may still write into them, kept)
+        empanel_ring_free(reader->uring.ring); // (after the join: no thread is in it, nothing in flight)
+        free(reader->uring.ops);
         for (int32_t i = 0; reader->bounce != NULL && i < reader->n_bounce; i++) {
             free(reader->bounce[i]);
         }
         free(reader->bounce);
     }
     free(reader->threads);
-    reader->ring     = NULL;
-    reader->ring_ops = NULL;
+    reader->uring.ring     = NULL;
+    reader->uring.ops = NULL;
     reader->bounce   = NULL;
     reader->threads  = NULL;
     reader->n_bounce = 0;
@@ -476,7 +529,7 @@ void empanel_reader_finish(struct empanel_pool * pool, int32_t lane) {
     struct empanel_reader * reader = &pool->reader;
     struct empanel_posted * p      = &reader->posted[lane];
     atomic_store(&p->waited, 1);
-    if (reader->ring == NULL) { // (io_uring: the ring's thread reads it all)
+    if (reader->uring.ring == NULL) { // (io_uring: the ring's thread reads it all)
         // (the caller posts the demand lane's batches itself: none comes while it reads this one)
         work_batch(reader, lane, atomic_load(&reader->posts[EMPANEL_LANE_DEMAND]), reader->bounce[reader->n_bounce - 1]);
     }
@@ -496,15 +549,15 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
     struct empanel_reader * reader = &pool->reader;
     struct empanel_posted * p      = &reader->posted[EMPANEL_LANE_DEMAND];
     const int      limit = p->tensor_chunk_end[ti];
-    const uint64_t cpu0  = empanel_thread_cpu_ns();
+    const uint64_t cpu0  = empanel_util_thread_cpu_ns();
     int i = atomic_load(&p->next);
-    while (reader->ring == NULL && i < limit) { // (io_uring: the ring's thread reads it all)
+    while (reader->uring.ring == NULL && i < limit) { // (io_uring: the ring's thread reads it all)
         if (atomic_compare_exchange_weak(&p->next, &i, i + 1)) {
             empanel_chunk_read(reader, p, i, reader->bounce[reader->n_bounce - 1]);
             i = atomic_load(&p->next);
         }
     }
-    atomic_fetch_add(&p->cpu_ns, empanel_thread_cpu_ns() - cpu0);
+    atomic_fetch_add(&p->cpu_ns, empanel_util_thread_cpu_ns() - cpu0);
 
     pthread_mutex_lock(&reader->mutex);
     while (atomic_load(&p->tensor_left[ti]) > 0 && !atomic_load(&p->batch_failed)) {
@@ -515,11 +568,11 @@ int empanel_reader_wait_tensor(struct empanel_pool * pool, int32_t ti) {
 }
 
 int empanel_reader_lost(const struct empanel_pool * pool) {
-    return atomic_load(&pool->reader.ring_state) == RING_LOST;
+    return atomic_load(&pool->reader.uring.state) == RING_LOST;
 }
 
 // the path reads take now: io_uring, or the threads (asked for, or the ring broke)
 int32_t empanel_reader_io(const struct empanel_pool * pool) {
-    return pool->reader.ring != NULL && atomic_load(&pool->reader.ring_state) == RING_OK
+    return pool->reader.uring.ring != NULL && atomic_load(&pool->reader.uring.state) == RING_OK
            ? EMPANEL_READ_IO_URING : EMPANEL_READ_IO_THREADS;
 }

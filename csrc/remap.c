@@ -4,10 +4,16 @@
 // the policy gives up (none that this micro-batch uses) and are read from the file. A micro-batch
 // that routes to more distinct experts than the pool holds runs in waves (plan_waves), one call
 // per wave and pool tensor (remap_wave_locked). Error recovery changes the same tables; preload
-// (preload.c) and the gate-ahead guess (guess.c) use the helpers declared in empanel-impl.h.
+// (preload.c) and the gate-ahead guess (guess.c) use the same tables through slots.c (slots.h).
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "remap.h"
+#include "batch.h"
+#include "files.h"
+#include "ready.h"
+#include "slots.h"
+#include "trace.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,12 +32,12 @@
 // cores that CPU taken from the compute cost more than the overlap gave (decode 1.0 vs 1.5 t/s
 // on the 48-layer 30B shape under the cap, docs/performance.md)
 static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer) {
-    if (!layer->ready.armed || pool->lab || empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL)) {
+    if (!layer->ready.armed || pool->config.lab || empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL)) {
         return 0;
     }
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         const struct empanel_tensor * t = &layer->tensors[i];
-        if (!t->direct || t->remote) {
+        if (!t->direct || t->remote != NULL) {
             return 0;
         }
     }
@@ -47,7 +53,7 @@ static int fill_slots_overlapped(struct empanel_pool * pool, struct empanel_laye
         order[layer->ready.rank[i]] = i; // ranks 0 .. n_tensors - 1: every tensor's call was seen
     }
     if (empanel_batch_post_layer(pool, layer, layer->tables.misses, layer->tables.victims, n, order) != 0) {
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
             pool->glru.resident_bytes -= (uint64_t) n * layer->expert_bytes;
         }
         return -1;
@@ -60,11 +66,11 @@ static int fill_slots_overlapped(struct empanel_pool * pool, struct empanel_laye
 
 // the layer, or NULL with the error recorded
 static struct empanel_layer * remap_layer(struct empanel_pool * pool, int32_t il) {
-    if (atomic_load(&pool->failed)) {
+    if (atomic_load(&pool->error.failed)) {
         return NULL;
     }
     if (il < 0 || il >= pool->n_layer || (pool->layers[il].n_slots == 0 && !pool->layers[il].observe)) {
-        empanel_set_error(pool, "remap: layer %d has no slot pool", il);
+        empanel_util_set_error(pool, "remap: layer %d has no slot pool", il);
         return NULL;
     }
     return &pool->layers[il];
@@ -117,7 +123,7 @@ static int32_t collect_distinct(struct empanel_pool * pool, struct empanel_layer
         for (int32_t j = 0; j < n_used; j++) {
             const int32_t e = row[j];
             if (e < 0 || e >= pool->n_expert) {
-                empanel_set_error(pool, "remap: layer %d routed to expert %d of %d", il, e, pool->n_expert);
+                empanel_util_set_error(pool, "remap: layer %d routed to expert %d of %d", il, e, pool->n_expert);
                 return -1;
             }
             if (layer->tables.miss_mark[e] != call) {
@@ -165,9 +171,9 @@ static int resolve_one_wave(struct empanel_pool * pool, struct empanel_layer * l
     // victims first: every slot is empty until all misses are read (a failed read leaves no
     // slot claiming an expert it does not hold)
     for (int32_t i = 0; i < n_miss; i++) {
-        const int32_t s = empanel_slots_pick_victim(layer, pool->policy, 0, layer->n_slots, layer->tables.call_mark, call);
+        const int32_t s = empanel_slots_pick_victim(layer, pool->config.policy, 0, layer->n_slots, layer->tables.call_mark, call);
         if (s < 0) {
-            empanel_set_error(pool,
+            empanel_util_set_error(pool,
                 "remap: layer %d: this micro-batch routes to more distinct experts than the %d slots "
                 "(lower n_ubatch, or raise moe_slots)", il, layer->n_slots);
             return -1;
@@ -214,7 +220,7 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
         const int32_t e = layer->tables.misses[i];
         layer->tables.order_key[i] = (uint64_t) last_use[e] * (uint64_t) pool->n_expert + (uint64_t) e;
     }
-    qsort(layer->tables.order_key, (size_t) n_miss, sizeof(uint64_t), empanel_compare_uint64);
+    qsort(layer->tables.order_key, (size_t) n_miss, sizeof(uint64_t), empanel_util_compare_uint64);
     for (int32_t i = 0; i < n_miss; i++) {
         layer->tables.misses[i] = (int32_t) (layer->tables.order_key[i] % (uint64_t) pool->n_expert);
     }
@@ -225,8 +231,8 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
     int32_t w       = 0;
     for (; next < n_miss || w < n_half; w++) {
         if (w >= graph_waves) {
-            empanel_set_error(pool, "remap: layer %d: %d distinct experts need more than the graph's %d waves",
-                              il, n, graph_waves);
+            empanel_util_set_error(pool, "remap: layer %d: %d distinct experts need more than the graph's %d waves",
+                                   il, n, graph_waves);
             return -1;
         }
         const int32_t  h     = w % n_half;
@@ -245,10 +251,10 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
             }
         }
         for (; count < half_end[h] - half_begin[h] && next < n_miss; count++) {
-            const int32_t s = empanel_slots_pick_victim(layer, pool->policy, half_begin[h], half_end[h], layer->tables.slot_mark, stamp);
+            const int32_t s = empanel_slots_pick_victim(layer, pool->config.policy, half_begin[h], half_end[h], layer->tables.slot_mark, stamp);
             if (s < 0) { // the half has room for count < its size experts: never, unless the tables are wrong
-                empanel_set_error(pool, "remap: layer %d: wave %d found no slot for its expert in slots [%d, %d)",
-                                  il, w, half_begin[h], half_end[h]);
+                empanel_util_set_error(pool, "remap: layer %d: wave %d found no slot for its expert in slots [%d, %d)",
+                                       il, w, half_begin[h], half_end[h]);
                 return -1;
             }
             const int32_t e = layer->tables.misses[next++];
@@ -325,7 +331,7 @@ static int keep_ids(struct empanel_pool * pool, struct empanel_layer * layer, co
     if (n_ids > layer->waves.ids_cap) {
         int32_t * grown = realloc(layer->waves.ids, sizeof(int32_t) * (size_t) n_ids);
         if (grown == NULL) {
-            empanel_set_error(pool, "remap: out of memory for %lld expert ids", (long long) n_ids);
+            empanel_util_set_error(pool, "remap: out of memory for %lld expert ids", (long long) n_ids);
             return -1;
         }
         layer->waves.ids     = grown;
@@ -357,83 +363,50 @@ static int32_t wave_missing(struct empanel_layer * layer, int32_t ti, int32_t w)
     return n;
 }
 
-// one wave of one pool tensor: plan the micro-batch at its layer's first call, make the wave's
-// experts resident in this tensor, give their pairs slot ids (others -1), and start reading what
-// comes next while this wave computes
-static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const void * pool_tensor, int32_t wave,
-                                 int32_t n_waves, const int32_t * expert_ids, int64_t ids_row_stride,
-                                 int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
-    struct empanel_layer * layer = remap_begin(pool, il, expert_ids, ids_row_stride, n_used, n_tokens, 0);
-    if (layer == NULL) {
+// the layer's first call for a micro-batch (wave 0): plan its waves, n_waves as the graph runs
+// them; the tables describe the plan's end from here on. 0, or -1 with the error recorded
+static int plan_batch_waves(struct empanel_pool * pool, struct empanel_layer * layer, int32_t il, int32_t n_waves,
+                            const int32_t * expert_ids, int64_t ids_row_stride, int32_t n_used, int32_t n_tokens) {
+    const uint64_t call = start_batch(pool, layer, il, expert_ids, ids_row_stride, n_used, n_tokens);
+    if (call == 0 || keep_ids(pool, layer, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return -1;
     }
-    const int32_t ti = empanel_tensor_index(layer, pool_tensor);
-    if (ti < 0 || layer->observe) {
-        empanel_set_error(pool, "remap: layer %d has no pool tensor %p", il, pool_tensor);
+    const int32_t n = collect_distinct(pool, layer, il, call, expert_ids, ids_row_stride, n_used, n_tokens);
+    if (n < 0) {
         return -1;
     }
-
-    const int continues = layer->waves.open && layer->waves.n_graph == n_waves && layer->waves.next[ti] == wave &&
-                          same_ids(layer, expert_ids, ids_row_stride, n_used, n_tokens);
-    if (!continues) {
-        if (wave != 0) {
-            empanel_set_error(pool, "remap: layer %d, %s: wave %d of %d out of order", il,
-                              layer->tensors[ti].name, wave, n_waves);
-            return -1;
-        }
-        const uint64_t call = start_batch(pool, layer, il, expert_ids, ids_row_stride, n_used, n_tokens);
-        if (call == 0 || keep_ids(pool, layer, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
-            return -1;
-        }
-        const int32_t n = collect_distinct(pool, layer, il, call, expert_ids, ids_row_stride, n_used, n_tokens);
-        if (n < 0) {
-            return -1;
-        }
-        layer->waves.open        = 1; // from here on the tables describe the plan's end
-        layer->waves.n_graph = n_waves;
-        for (int32_t i = 0; i < EMPANEL_MAX_TENSORS; i++) {
-            layer->waves.next[i] = 0;
-        }
-        if (n <= layer->n_slots) {
-            // it fits: one wave, read for every tensor at once
-            if (resolve_one_wave(pool, layer, il, call, n, 0) != 0) {
-                return -1;
-            }
-            for (int32_t i = 0; i < n; i++) {
-                const int32_t e = layer->tables.distinct[i];
-                layer->waves.wave_of[e]  = 0;
-                layer->waves.slot_of[e]  = layer->tables.slot_of[e];
-                layer->waves.order[i] = e;
-            }
-            layer->waves.begin[0] = 0;
-            layer->waves.begin[1] = n;
-            layer->waves.n    = 1;
-        } else if (plan_waves(pool, layer, il, call, n, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
-            return -1;
-        }
-        empanel_slots_close_guess(layer, n, call);
-        empanel_slots_end_batch(pool, layer, layer->waves.n);
+    layer->waves.open        = 1; // from here on the tables describe the plan's end
+    layer->waves.n_graph = n_waves;
+    for (int32_t i = 0; i < EMPANEL_MAX_TENSORS; i++) {
+        layer->waves.next[i] = 0;
     }
-
-    // this wave's experts in this tensor's slots (normally read while the previous wave computed)
-    const int32_t n_missing = wave_missing(layer, ti, wave);
-    if (n_missing > 0 && (empanel_batch_post(pool, layer, ti, layer->tables.misses, layer->tables.victims, n_missing) != 0 ||
-                          empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0)) {
+    if (n <= layer->n_slots) {
+        // it fits: one wave, read for every tensor at once
+        if (resolve_one_wave(pool, layer, il, call, n, 0) != 0) {
+            return -1;
+        }
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t e = layer->tables.distinct[i];
+            layer->waves.wave_of[e]  = 0;
+            layer->waves.slot_of[e]  = layer->tables.slot_of[e];
+            layer->waves.order[i] = e;
+        }
+        layer->waves.begin[0] = 0;
+        layer->waves.begin[1] = n;
+        layer->waves.n    = 1;
+    } else if (plan_waves(pool, layer, il, call, n, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return -1;
     }
-    for (int32_t t = 0; t < n_tokens; t++) {
-        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
-        for (int32_t j = 0; j < n_used; j++) {
-            const int32_t e = row[j];
-            slot_ids[(int64_t) t * n_used + j] = layer->waves.wave_of[e] == wave ? layer->waves.slot_of[e] : -1;
-        }
-    }
-    layer->waves.next[ti] = wave + 1;
+    empanel_slots_close_guess(layer, n, call);
+    empanel_slots_end_batch(pool, layer, layer->waves.n);
+    return 0;
+}
 
-    // read ahead: this tensor's next wave goes to the other half of its pool (free: the wave
-    // before this one has computed), unless reads land in slots that this wave's masked kernel
-    // reads; after its last wave, the first wave of a tensor that has not started (its pool is
-    // idle)
+// read ahead after wave `wave` of tensor ti: this tensor's next wave goes to the other half of its
+// pool (free: the wave before this one has computed), unless reads land in slots that this wave's
+// masked kernel reads; after its last wave, the first wave of a tensor that has not started (its
+// pool is idle). 0, or -1 with the error recorded
+static int read_ahead_wave(struct empanel_pool * pool, struct empanel_layer * layer, int32_t ti, int32_t wave) {
     int32_t next_tensor = -1;
     int32_t next_wave   = 0;
     if (wave + 1 < layer->waves.n) {
@@ -452,7 +425,56 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
             return -1;
         }
     }
+    return 0;
+}
 
+// one wave of one pool tensor: plan the micro-batch at its layer's first call, make the wave's
+// experts resident in this tensor, give their pairs slot ids (others -1), and start reading what
+// comes next while this wave computes
+static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const void * pool_tensor, int32_t wave,
+                                 int32_t n_waves, const int32_t * expert_ids, int64_t ids_row_stride,
+                                 int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
+    struct empanel_layer * layer = remap_begin(pool, il, expert_ids, ids_row_stride, n_used, n_tokens, 0);
+    if (layer == NULL) {
+        return -1;
+    }
+    const int32_t ti = empanel_tensor_index(layer, pool_tensor);
+    if (ti < 0 || layer->observe) {
+        empanel_util_set_error(pool, "remap: layer %d has no pool tensor %p", il, pool_tensor);
+        return -1;
+    }
+
+    const int continues = layer->waves.open && layer->waves.n_graph == n_waves && layer->waves.next[ti] == wave &&
+                          same_ids(layer, expert_ids, ids_row_stride, n_used, n_tokens);
+    if (!continues) {
+        if (wave != 0) {
+            empanel_util_set_error(pool, "remap: layer %d, %s: wave %d of %d out of order", il,
+                                   layer->tensors[ti].name, wave, n_waves);
+            return -1;
+        }
+        if (plan_batch_waves(pool, layer, il, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
+            return -1;
+        }
+    }
+
+    // this wave's experts in this tensor's slots (normally read while the previous wave computed)
+    const int32_t n_missing = wave_missing(layer, ti, wave);
+    if (n_missing > 0 && (empanel_batch_post(pool, layer, ti, layer->tables.misses, layer->tables.victims, n_missing) != 0 ||
+                          empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0)) {
+        return -1;
+    }
+    for (int32_t t = 0; t < n_tokens; t++) {
+        const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
+        for (int32_t j = 0; j < n_used; j++) {
+            const int32_t e = row[j];
+            slot_ids[(int64_t) t * n_used + j] = layer->waves.wave_of[e] == wave ? layer->waves.slot_of[e] : -1;
+        }
+    }
+    layer->waves.next[ti] = wave + 1;
+
+    if (read_ahead_wave(pool, layer, ti, wave) != 0) {
+        return -1;
+    }
     int open = 0;
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         open |= layer->waves.next[i] < layer->waves.n_graph;
@@ -465,7 +487,7 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
                       const int32_t * expert_ids, int64_t ids_row_stride,
                       int32_t * slot_ids, int32_t n_used, int32_t n_tokens) {
     struct empanel_pool * pool = user;
-    const uint64_t t0 = empanel_now_ns();
+    const uint64_t t0 = empanel_util_now_ns();
     pthread_mutex_lock(&pool->lock);
     // every call looks at the files first: a write anywhere in them (the mapped dense tensors
     // too) fails the next decode, whether or not it misses
@@ -476,7 +498,7 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
         empanel_batch_finish(pool); // nothing stays in flight after a failure
     }
     if (il >= 0 && il < pool->n_layer) {
-        pool->layers[il].stats.remap_ns     += empanel_now_ns() - t0;
+        pool->layers[il].stats.remap_ns     += empanel_util_now_ns() - t0;
         pool->layers[il].stats.device_syncs += (uint64_t) pool->layers[il].device;
     }
     pthread_mutex_unlock(&pool->lock);
@@ -488,9 +510,9 @@ int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t
                            int32_t n_tokens) {
     pthread_mutex_lock(&pool->lock);
     int32_t rc = -1;
-    struct empanel_layer * layer = pool->lab ? remap_layer(pool, il) : NULL;
-    if (!pool->lab) {
-        empanel_set_error(pool, "empanel_lab_access: not a lab pool (empanel_lab_init)");
+    struct empanel_layer * layer = pool->config.lab ? remap_layer(pool, il) : NULL;
+    if (!pool->config.lab) {
+        empanel_util_set_error(pool, "empanel_lab_access: not a lab pool (empanel_lab_init)");
     } else if (layer != NULL) {
         // the engine's call: one remap when the distinct experts fit, else the waves a wave
         // graph runs (a lab has no graph: as many waves as the plan needs)

@@ -8,7 +8,8 @@
 // the reason, and the reader keeps its threads. Where the kernel refuses io_uring (a container's
 // seccomp profile, kernel.io_uring_disabled), the same.
 
-#include "empanel-impl.h"
+#include "ring.h"
+#include "util.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -48,17 +49,17 @@ int empanel_ring_init(struct empanel_ring ** out, int32_t depth, char * why, siz
             free(ring->queued);
         }
         free(ring);
-        empanel_format_err(why, why_size, "out of memory");
+        empanel_util_format_err(why, why_size, "out of memory");
         return -1;
     }
     int rc = io_uring_queue_init((unsigned) depth, &ring->uring, 0);
     if (rc < 0) {
-        empanel_format_err(why, why_size, "io_uring_queue_init(%d): %s", depth, strerror(-rc));
+        empanel_util_format_err(why, why_size, "io_uring_queue_init(%d): %s", depth, strerror(-rc));
     } else {
         // IORING_OP_READ came with Linux 5.6; a ring of an older kernel sets up, then fails every read
         struct io_uring_probe * probe = io_uring_get_probe_ring(&ring->uring);
         if (probe == NULL || !io_uring_opcode_supported(probe, IORING_OP_READ)) {
-            empanel_format_err(why, why_size, "this kernel's io_uring has no IORING_OP_READ (Linux 5.6)");
+            empanel_util_format_err(why, why_size, "this kernel's io_uring has no IORING_OP_READ (Linux 5.6)");
             io_uring_queue_exit(&ring->uring);
             rc = -1;
         }
@@ -198,7 +199,7 @@ struct empanel_ring {
 
 int empanel_ring_init(struct empanel_ring ** out, int32_t depth, char * why, size_t why_size) {
     *out = NULL;
-    empanel_format_err(why, why_size, "this build has no io_uring (liburing was not found when it was built)");
+    empanel_util_format_err(why, why_size, "this build has no io_uring (liburing was not found when it was built)");
     return -1;
 }
 
@@ -228,3 +229,12 @@ struct empanel_ring_read * empanel_ring_reap(struct empanel_ring * ring) {
 }
 
 #endif
+
+int32_t empanel_uring_available(char * why, size_t why_size) {
+    struct empanel_ring * ring = NULL;
+    if (empanel_ring_init(&ring, 4, why, why_size) != 0) {
+        return 0;
+    }
+    empanel_ring_free(ring);
+    return 1;
+}

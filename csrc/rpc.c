@@ -15,8 +15,8 @@
 // A host without a cache refuses a hash it was sent: its tensors then send bytes as ggml does.
 // With moe_verify the bytes must be read and checked here, so nothing goes by hash.
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "rpc.h"
+#include "util.h"
 
 #include "ggml-backend.h"
 #include "ggml-rpc.h"
@@ -190,7 +190,7 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
     struct addrinfo * addrs = NULL;
     const int rc = getaddrinfo(host, port, &hints, &addrs);
     if (rc != 0) {
-        empanel_format_err(err, err_size, "RPC server %s:%s: cannot resolve %s: %s", host, port, host, gai_strerror(rc));
+        empanel_util_format_err(err, err_size, "RPC server %s:%s: cannot resolve %s: %s", host, port, host, gai_strerror(rc));
         return -1;
     }
     int why = ECONNREFUSED;
@@ -200,8 +200,8 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
     }
     freeaddrinfo(addrs);
     if (fd < 0) {
-        empanel_format_err(err, err_size, "RPC server %s:%s: cannot connect: %s (is ggml-rpc-server running there? "
-                           "empanel-gguf rpc-server -H HOST -p PORT starts one)", host, port, strerror(why));
+        empanel_util_format_err(err, err_size, "RPC server %s:%s: cannot connect: %s (is ggml-rpc-server running there? "
+                                "empanel-gguf rpc-server -H HOST -p PORT starts one)", host, port, strerror(why));
         return -1;
     }
     // HELLO: | cmd 14 (1 byte) | request size (8 bytes) | request | -> | response size (8 bytes) | response |
@@ -222,19 +222,19 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
     uint64_t got = 0;
     memcpy(&got, response, sizeof(got));
     if (status == ETIMEDOUT) {
-        empanel_format_err(err, err_size, "RPC server %s:%s: no answer to the handshake in %.1f s: it serves one "
-                           "client at a time (another client, or the same server listed twice?); "
-                           "EMPANEL_RPC_TIMEOUT=SECONDS waits longer", host, port, timeout_ms() / 1000.0);
+        empanel_util_format_err(err, err_size, "RPC server %s:%s: no answer to the handshake in %.1f s: it serves one "
+                                "client at a time (another client, or the same server listed twice?); "
+                                "EMPANEL_RPC_TIMEOUT=SECONDS waits longer", host, port, timeout_ms() / 1000.0);
         return -1;
     }
     if (status != 0 || got != rsp_size) {
-        empanel_format_err(err, err_size, "RPC server %s:%s: the handshake failed (%s): not a ggml-rpc-server of "
-                           "this protocol version?", host, port, status != 0 ? strerror(status) : "unexpected answer");
+        empanel_util_format_err(err, err_size, "RPC server %s:%s: the handshake failed (%s): not a ggml-rpc-server of "
+                                "this protocol version?", host, port, status != 0 ? strerror(status) : "unexpected answer");
         return -1;
     }
     if (response[8] != RPC_PROTO_MAJOR_VERSION) {
-        empanel_format_err(err, err_size, "RPC server %s:%s speaks RPC protocol %d, this build %d: run the same "
-                           "llama.cpp version on both", host, port, response[8], RPC_PROTO_MAJOR_VERSION);
+        empanel_util_format_err(err, err_size, "RPC server %s:%s speaks RPC protocol %d, this build %d: run the same "
+                                "llama.cpp version on both", host, port, response[8], RPC_PROTO_MAJOR_VERSION);
         return -1;
     }
     return 0;
@@ -252,7 +252,7 @@ static int probe_endpoint(const char * endpoint, char * err, size_t err_size) {
     snprintf(copy, sizeof(copy), "%s", endpoint);
     char * colon = strrchr(copy, ':');
     if (colon == NULL) {
-        empanel_format_err(err, err_size, "RPC server '%s': expected HOST:PORT", endpoint);
+        empanel_util_format_err(err, err_size, "RPC server '%s': expected HOST:PORT", endpoint);
         return -1;
     }
     *colon = '\0';
@@ -266,8 +266,8 @@ static int check_registered(char * err, size_t err_size) {
     for (int32_t i = 0; i < g_added_n; i++) {
         const int state = rpc()->endpoint_state(g_added[i]);
         if (state == 2) {
-            empanel_format_err(err, err_size, "RPC server %s: its connection was lost during an earlier run, and "
-                               "what used it (a Llama) is still open: close it, then load again", g_added[i]);
+            empanel_util_format_err(err, err_size, "RPC server %s: its connection was lost during an earlier run, and "
+                                    "what used it (a Llama) is still open: close it, then load again", g_added[i]);
             return -1;
         }
         if (state == 0 && probe_endpoint(g_added[i], err, err_size) != 0) {
@@ -318,19 +318,80 @@ int32_t empanel_rpc_lost(char * endpoints, size_t size) {
     return n;
 }
 
+// the endpoints of list "HOST:PORT,..." (cut in place) not registered yet, each probed, into
+// todo [n_todo] (once each); *n_endpoints: endpoints given. 0, or -1 with the reason in err.
+// Under g_added_lock
+static int probe_list(char * list, char ** todo, int * n_todo, int * n_endpoints, char * err, size_t err_size) {
+    int status = 0;
+    char * save = NULL;
+    for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL && status == 0;
+         endpoint = strtok_r(NULL, ",", &save)) {
+        while (*endpoint == ' ') {
+            endpoint++;
+        }
+        (*n_endpoints)++;
+        char * colon = strrchr(endpoint, ':');
+        if (colon == NULL || colon == endpoint || colon[1] == '\0' || strspn(colon + 1, "0123456789") != strlen(colon + 1)) {
+            empanel_util_format_err(err, err_size, "RPC server '%s': expected HOST:PORT", endpoint);
+            status = -1;
+            break;
+        }
+        int seen = 0;
+        for (int32_t i = 0; i < g_added_n; i++) {
+            seen |= strcmp(g_added[i], endpoint) == 0;
+        }
+        for (int i = 0; i < *n_todo; i++) {
+            seen |= strcmp(todo[i], endpoint) == 0;
+        }
+        if (seen) {
+            continue;
+        }
+        *colon = '\0';
+        status = probe(endpoint, colon + 1, err, err_size);
+        *colon = ':';
+        todo[(*n_todo)++] = endpoint;
+    }
+    return status;
+}
+
+// register the probed endpoints todo [n_todo] with ggml (add: ggml_backend_rpc_add_server) and
+// list them in g_added; *n_devices: the devices they offer. 0, or -1 with the reason in err.
+// Under g_added_lock
+static int register_list(rpc_add_server_fn add, char ** todo, int n_todo, int32_t * n_devices, char * err,
+                         size_t err_size) {
+    for (int i = 0; i < n_todo; i++) {
+        ggml_backend_reg_t reg = add(todo[i]);
+        if (reg == NULL) {
+            empanel_util_format_err(err, err_size, "RPC server %s offers no devices", todo[i]);
+            return -1;
+        }
+        ggml_backend_register(reg);
+        *n_devices += (int32_t) ggml_backend_reg_dev_count(reg);
+        char ** grown = realloc(g_added, sizeof(char *) * (g_added_n + 1));
+        if (grown == NULL || (grown[g_added_n] = strdup(todo[i])) == NULL) {
+            g_added = grown != NULL ? grown : g_added;
+            empanel_util_format_err(err, err_size, "empanel: out of memory");
+            return -1;
+        }
+        g_added = grown;
+        g_added_n++;
+    }
+    return 0;
+}
+
 int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size) {
     if (err != NULL && err_size > 0) {
         err[0] = '\0';
     }
     if (rpc()->reg == NULL) {
-        empanel_format_err(err, err_size, "RPC servers given, but this build has no RPC backend "
-                           "(build with CMAKE_ARGS=\"-DGGML_RPC=ON\")");
+        empanel_util_format_err(err, err_size, "RPC servers given, but this build has no RPC backend "
+                                "(build with CMAKE_ARGS=\"-DGGML_RPC=ON\")");
         return -1;
     }
     rpc_add_server_fn add = (rpc_add_server_fn) ggml_backend_reg_get_proc_address(rpc()->reg, "ggml_backend_rpc_add_server");
     if (add == NULL || !rpc()->found) {
-        empanel_format_err(err, err_size, "ggml's RPC backend lacks empanel-gguf's patch 0008 (another ggml build "
-                           "on the library path?)");
+        empanel_util_format_err(err, err_size, "ggml's RPC backend lacks empanel-gguf's patch 0008 (another ggml build "
+                                "on the library path?)");
         return -1;
     }
     char * list = strdup(servers != NULL ? servers : "");
@@ -338,7 +399,7 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
     if (list == NULL || todo == NULL) {
         free(list);
         free(todo);
-        empanel_format_err(err, err_size, "empanel: out of memory");
+        empanel_util_format_err(err, err_size, "empanel: out of memory");
         return -1;
     }
     int32_t n_devices   = 0;
@@ -348,58 +409,17 @@ int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_siz
     pthread_mutex_lock(&g_added_lock);
     // every server is checked before any is registered: a failure leaves none of this list behind
     status = check_registered(err, err_size);
-    char * save = NULL;
-    for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL && status == 0;
-         endpoint = strtok_r(NULL, ",", &save)) {
-        while (*endpoint == ' ') {
-            endpoint++;
-        }
-        n_endpoints++;
-        char * colon = strrchr(endpoint, ':');
-        if (colon == NULL || colon == endpoint || colon[1] == '\0' || strspn(colon + 1, "0123456789") != strlen(colon + 1)) {
-            empanel_format_err(err, err_size, "RPC server '%s': expected HOST:PORT", endpoint);
-            status = -1;
-            break;
-        }
-        int seen = 0;
-        for (int32_t i = 0; i < g_added_n; i++) {
-            seen |= strcmp(g_added[i], endpoint) == 0;
-        }
-        for (int i = 0; i < n_todo; i++) {
-            seen |= strcmp(todo[i], endpoint) == 0;
-        }
-        if (seen) {
-            continue;
-        }
-        *colon = '\0';
-        status = probe(endpoint, colon + 1, err, err_size);
-        *colon = ':';
-        todo[n_todo++] = endpoint;
+    if (status == 0) {
+        status = probe_list(list, todo, &n_todo, &n_endpoints, err, err_size);
     }
-    for (int i = 0; i < n_todo && status == 0; i++) {
-        ggml_backend_reg_t reg = add(todo[i]);
-        if (reg == NULL) {
-            empanel_format_err(err, err_size, "RPC server %s offers no devices", todo[i]);
-            status = -1;
-            break;
-        }
-        ggml_backend_register(reg);
-        n_devices += (int32_t) ggml_backend_reg_dev_count(reg);
-        char ** grown = realloc(g_added, sizeof(char *) * (g_added_n + 1));
-        if (grown == NULL || (grown[g_added_n] = strdup(todo[i])) == NULL) {
-            g_added = grown != NULL ? grown : g_added;
-            empanel_format_err(err, err_size, "empanel: out of memory");
-            status = -1;
-            break;
-        }
-        g_added = grown;
-        g_added_n++;
+    if (status == 0) {
+        status = register_list(add, todo, n_todo, &n_devices, err, err_size);
     }
     pthread_mutex_unlock(&g_added_lock);
     free(todo);
     free(list);
     if (status == 0 && n_endpoints == 0) {
-        empanel_format_err(err, err_size, "no RPC servers given (expected HOST:PORT,...)");
+        empanel_util_format_err(err, err_size, "no RPC servers given (expected HOST:PORT,...)");
         status = -1;
     }
     return status == 0 ? n_devices : -1;

@@ -7,8 +7,10 @@
 // Each paged layer has n_slots slots shared by its expert tensors (gate/up/down or gate_up/down):
 // slot s of every tensor of the layer holds the same expert.
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "slots.h"
+#include "backend.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdlib.h>
 
@@ -56,7 +58,7 @@ void empanel_slots_end_batch(struct empanel_pool * pool, struct empanel_layer * 
     layer->stats.n_remaps++;
     layer->stats.n_waves += (uint64_t) n_waves;
     tb->n_batches++;
-    if (pool->policy == EMPANEL_POLICY_LFU_DECAY && tb->n_batches % (uint64_t) layer->n_slots == 0) {
+    if (pool->config.policy == EMPANEL_POLICY_LFU_DECAY && tb->n_batches % (uint64_t) layer->n_slots == 0) {
         for (int32_t s = 0; s < layer->n_slots; s++) {
             tb->uses[s] /= 2;
         }
@@ -68,8 +70,8 @@ void empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_layer 
     for (int32_t i = 0; i < n; i++) {
         tb->expert_in[tb->victims[i]] = tb->misses[i];
         tb->slot_of[tb->misses[i]]    = tb->victims[i];
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            empanel_lru_push_recent(pool, layer->lru_base + tb->victims[i]);
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+            empanel_slots_glru_push_recent(pool, layer->lru_base + tb->victims[i]);
         }
     }
 }
@@ -77,9 +79,9 @@ void empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_layer 
 void empanel_slots_use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
     empanel_slots_note_use(layer, s, call);
     layer->stats.hits++;
-    if (pool->policy == EMPANEL_POLICY_GLRU) {
-        empanel_lru_unlink(pool, layer->lru_base + s);
-        empanel_lru_push_recent(pool, layer->lru_base + s);
+    if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+        empanel_slots_glru_unlink(pool, layer->lru_base + s);
+        empanel_slots_glru_push_recent(pool, layer->lru_base + s);
     }
 }
 
@@ -89,11 +91,11 @@ void empanel_slots_claim(struct empanel_pool * pool, struct empanel_layer * laye
     if (tb->expert_in[s] >= 0) {
         // the layer's own expert goes (its bytes stay counted for the one that comes)
         tb->slot_of[tb->expert_in[s]] = -1;
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            empanel_lru_unlink(pool, layer->lru_base + s);
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+            empanel_slots_glru_unlink(pool, layer->lru_base + s);
         }
-    } else if (pool->policy == EMPANEL_POLICY_GLRU) {
-        empanel_glru_make_room(pool, layer->expert_bytes, call);
+    } else if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+        empanel_slots_glru_make_room(pool, layer->expert_bytes, call);
         pool->glru.resident_bytes += layer->expert_bytes;
     }
     tb->expert_in[s] = -1;
@@ -106,15 +108,9 @@ void empanel_slots_place(struct empanel_pool * pool, struct empanel_layer * laye
     empanel_slots_claim(pool, layer, s, call);
     tb->expert_in[s] = e;
     tb->slot_of[e]   = s;
-    if (pool->policy == EMPANEL_POLICY_GLRU) {
-        empanel_lru_push_recent(pool, layer->lru_base + s);
+    if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+        empanel_slots_glru_push_recent(pool, layer->lru_base + s);
     }
-}
-
-int empanel_compare_uint64(const void * a, const void * b) {
-    const uint64_t x = *(const uint64_t *) a;
-    const uint64_t y = *(const uint64_t *) b;
-    return (x > y) - (x < y);
 }
 
 void empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n) {
@@ -122,7 +118,7 @@ void empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n) {
     for (int32_t i = 0; i < n; i++) {
         tb->order_key[i] = (uint64_t) tb->misses[i] << 32 | (uint32_t) tb->victims[i];
     }
-    qsort(tb->order_key, (size_t) n, sizeof(uint64_t), empanel_compare_uint64);
+    qsort(tb->order_key, (size_t) n, sizeof(uint64_t), empanel_util_compare_uint64);
     for (int32_t i = 0; i < n; i++) {
         tb->misses[i]  = (int32_t) (tb->order_key[i] >> 32);
         tb->victims[i] = (int32_t) (tb->order_key[i] & 0xffffffffu);
@@ -133,7 +129,7 @@ void empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         struct empanel_tensor * t = &layer->tensors[i];
         if (t->host != NULL) {
-            empanel_memory_release(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0);
+            empanel_backend_memory_release(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0);
             t->held[slot] = -1;
         }
     }
@@ -142,14 +138,14 @@ void empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
 // ------------------------------------------------------------------------------------------------
 // g-lru list
 
-void empanel_lru_unlink(struct empanel_pool * pool, int32_t e) {
+void empanel_slots_glru_unlink(struct empanel_pool * pool, int32_t e) {
     const int32_t prev = pool->glru.prev[e];
     const int32_t next = pool->glru.next[e];
     if (prev >= 0) { pool->glru.next[prev] = next; } else { pool->glru.head = next; }
     if (next >= 0) { pool->glru.prev[next] = prev; } else { pool->glru.tail = prev; }
 }
 
-void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e) {
+void empanel_slots_glru_push_recent(struct empanel_pool * pool, int32_t e) {
     pool->glru.prev[e] = pool->glru.tail;
     pool->glru.next[e] = -1;
     if (pool->glru.tail >= 0) { pool->glru.next[pool->glru.tail] = e; } else { pool->glru.head = e; }
@@ -158,7 +154,7 @@ void empanel_lru_push_recent(struct empanel_pool * pool, int32_t e) {
 
 // evict least recently used experts of any layer (none that this call uses) until `need` more
 // bytes fit in the budget; the budget yields when only this call's experts are left
-void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
+void empanel_slots_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
     int32_t e = pool->glru.head;
     while (e >= 0 && pool->glru.resident_bytes + need > pool->glru.budget_bytes) {
         const int32_t next = pool->glru.next[e];
@@ -166,7 +162,7 @@ void empanel_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t 
         struct empanel_tables * tb    = &layer->tables;
         const int32_t s = e - layer->lru_base;
         if (tb->call_mark[s] != call) {
-            empanel_lru_unlink(pool, e);
+            empanel_slots_glru_unlink(pool, e);
             tb->slot_of[tb->expert_in[s]] = -1;
             tb->expert_in[s] = -1;
             tb->last_use[s]  = 0; // empty: taken first by its layer
@@ -225,8 +221,8 @@ void empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * 
         tb->uses[s]      = 0;
         tb->last_use[s]  = 0;
         empanel_slots_drop_prefetch(layer, s);
-        if (pool->policy == EMPANEL_POLICY_GLRU) {
-            empanel_lru_unlink(pool, layer->lru_base + s);
+        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+            empanel_slots_glru_unlink(pool, layer->lru_base + s);
             pool->glru.resident_bytes -= layer->expert_bytes;
             empanel_slots_release(layer, s); // the budget no longer counts it: neither does memory
         }

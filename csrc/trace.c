@@ -1,8 +1,9 @@
 // The routing trace: every remap call's expert ids (and every guess's), appended for the lab
 // (empanel_trace_enable, empanel_gguf/lab/trace.py reads them).
 
-#include "empanel.h"
-#include "empanel-impl.h"
+#include "trace.h"
+#include "util.h"
+#include "state.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +18,7 @@ int empanel_trace_call(struct empanel_pool * pool, int32_t il, const int32_t * e
         }
         int32_t * grown = realloc(pool->trace.records, sizeof(int32_t) * cap);
         if (grown == NULL) {
-            empanel_set_error(pool, "trace: out of memory for %llu entries", (unsigned long long) cap);
+            empanel_util_set_error(pool, "trace: out of memory for %llu entries", (unsigned long long) cap);
             return -1;
         }
         pool->trace.records     = grown;

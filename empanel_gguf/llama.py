@@ -9,6 +9,7 @@ sidecar. Outputs are bit-identical to the model fully in memory on the same buil
 """
 
 import contextlib
+import inspect
 import sys
 import threading
 import time
@@ -18,7 +19,8 @@ from .engine.native import use_our_libraries
 from .planning.estimate import set_offload_probe, set_unified_probe
 from .planning.format import format_bytes
 from .planning.index import ModelError, load_index
-from .planning.plan import moe_options, plan_load, print_notices, resolve_repack, stock_equivalent
+from .planning.options import OPTIONS, check_known, llama_args_doc, moe_options
+from .planning.plan import plan_load, print_notices, resolve_repack, stock_equivalent
 from .engine.pools import ExpertPools, MoeReadError
 from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
@@ -32,77 +34,11 @@ set_unified_probe(unified_devices)  # moe_host_cache's: do the offload devices s
 __all__ = ["Llama", "MoeReadError"]
 
 
-class Llama(llama_cpp.Llama):
-    """llama_cpp.Llama with expert slot pools for MoE models.
+_DOC = """llama_cpp.Llama with expert slot pools for MoE models.
 
     Args:
         model_path: path to the GGUF model (the first shard of a split model).
-        moe_slots: slots per MoE layer: a count (32), a share of the experts ("25%"), a memory
-            budget for all pools ("6GiB"), or "auto": every expert resident if the model fits in
-            the available memory (minus a floor), else the most slots that fit. None: stock
-            behaviour, every expert resident.
-        moe_policy: which expert a full pool evicts: "auto" (default: the policy `calibrate`
-            ranked best for this file at the planned slots, from its profile; else "lfu-decay"),
-            "lfu-decay" (per layer, the least used, counts halving over time), "lru" (per layer, the least recent), or "g-lru"
-            (one budget for all layers, the least recent expert of any layer goes; host pools
-            take memory only for the experts they hold).
-        moe_io_threads: reader threads besides the decoding thread on the threads path (default
-            8; 0: the decoding thread reads alone, in the remap, on either path).
-        moe_chunk_kb: KiB per read request (default 256); an expert is read in such chunks by
-            all reader threads at once.
-        moe_read_io: how reads are issued: "threads" (moe_io_threads threads, pread each),
-            "uring" (one thread keeps moe_queue_depth reads in flight with io_uring; where the
-            build or the kernel has none, the threads, with a notice) or "auto" (default: io_uring
-            where there is one, measured faster with less CPU: docs/performance.md).
-            EMPANEL_READ_IO=threads|uring overrides it.
-        moe_queue_depth: io_uring: read requests in flight at most (default 32).
-        moe_direct_io: read experts with O_DIRECT, bypassing the page cache (default True; falls
-            back to buffered reads with a notice where the file system refuses it).
-        moe_trace: record every token's routed experts in every MoE layer (moe_take_trace()),
-            with or without slot pools; outputs are unchanged.
-        moe_preload: read experts into the empty slots at load (lowest expert ids first, as far
-            as the slots and the g-lru budget go). None (default): only when every pool holds all
-            its layer's experts, so that such a load is resident from the first token like a
-            stock load; False: every expert is read on its first use.
-        moe_profile: a calibration profile (empanel-gguf calibrate) whose most used experts fill
-            the empty slots at load: "auto" (default) uses the saved profile of this model file
-            if there is one, a path uses that file (refused if it is another model's), None
-            starts cold. With a profile, moe_preload=None preloads.
-        moe_guess: the gate-ahead guess (default True): while a layer runs a micro-batch that fits
-            its pools, the next layer's router is applied to this layer's FFN input; the experts
-            it names are evicted last by the next layer. Costs one small matmul per layer, no
-            reads; outputs are unchanged.
-        moe_prefetch: N > 0 also reads the guessed experts that are not resident while the
-            layer N or fewer layers before computes (guesses made N layers ahead; read in a lane
-            of their own behind the layer's own reads, the likeliest guesses first). When the
-            guessed layer's remap comes, the reads of guesses it does not route to are dropped
-            unread. "auto" (default): 1 where the pools page in the plain layout under a
-            per-layer policy (measured faster there), else 0. 0: no read-ahead.
-        moe_subst: routing substitution, opt-in and inexact: a ratio r in (0, 1]. When a routed expert
-            is not resident, the best resident expert among the router's next top-k choices
-            stands in if its score is at least r x the missing one's, with its own routing weight.
-            Saves reads, changes outputs (measure with empanel-gguf kl). None (default): exact.
-        moe_verify: check every expert read against its XXH3-64 digest before it is used (a
-            mismatch fails the decode with MoeReadError): the digests `empanel-gguf verify` saved
-            for this file, else each expert's first read. Outputs unchanged. Default False.
-        moe_repack: the weight layout. "auto" (the default): stock's defaults (CPU repack
-            buffers) where the pools hold every expert, and none where they page, as llama.cpp's
-            --no-repack (use_extra_bufts=False), pools included: reads land in the slots, nothing
-            is repacked; measured faster when paging (docs/performance.md). True / False force
-            one. Outputs equal stock loaded with the same layout; moe_stats()["exact_to"] names it.
-        moe_host_cache: a host-RAM tier for pools in device memory (layers offloaded to a GPU), as
-            a size ("16GiB") or bytes: experts the pools read stay in host memory (pinned where the
-            backend offers it), and a miss is written from there before the drive is asked. None
-            (default): no tier. Refused where the pools are in host memory already, and on a
-            unified-memory device (an integrated GPU, Metal), where it would hold every cached expert
-            twice, unless moe_host_cache_unified=True. moe_stats() counts host_hits and host_bytes.
-        moe_mtp: load the file's MTP ("nextn") blocks as llama.cpp does for MTP drafting
-            (llama_model_params.load_mtp; --spec-type draft-mtp in its programs), with or without
-            slots. Their MoE layers then get pools like the others. Default False: llama.cpp
-            skips the blocks, and so do the pools (no pool, no memory, no reads).
-        moe_resident_layers: the first N MoE layers keep every expert in memory, as a stock load
-            does (llama.cpp users know the idea from --n-cpu-moe); the others get slot pools. A
-            size for moe_slots covers the resident layers' experts too.
+MOE_ARGS
         rpc_servers: "HOST:PORT,..." of ggml-rpc-server processes (llama.cpp's --rpc; `empanel-gguf
             rpc-server` starts one): their devices are registered before the load, and the
             offloaded layers (n_gpu_layers, all by default when rpc_servers is given) go to them
@@ -113,37 +49,35 @@ class Llama(llama_cpp.Llama):
             replaces moe_slots and the other moe_* arguments, and nothing is planned again.
         **kwargs: passed to llama_cpp.Llama unchanged (n_ubatch included: a micro-batch whose
             experts exceed the pools runs in waves that fit them, in every build).
+
+    The moe_* options are declared once, in empanel_gguf/planning/options.py; docs/options.md
+    lists them with the commands' flags and environment variables. A misspelt moe_* keyword is a
+    ValueError naming the valid ones, a value out of range one naming the option.
     """
 
-    def __init__(self, model_path, *args, moe_slots=None, moe_policy="auto", moe_io_threads=8,
-                 moe_chunk_kb=256, moe_read_io="auto", moe_queue_depth=32, moe_direct_io=True, moe_trace=False,
-                 moe_preload=None, moe_resident_layers=0, moe_profile="auto", moe_guess=True, moe_prefetch="auto", moe_subst=None,
-                 moe_verify=False, moe_repack="auto", moe_host_cache=None, moe_host_cache_unified=False,
-                 moe_mtp=False, rpc_servers=None, moe_load=None, **kwargs):
+
+class Llama(llama_cpp.Llama):
+    __doc__ = _DOC.replace("MOE_ARGS", llama_args_doc())
+
+    def __init__(self, model_path, *args, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
-        unknown = [key for key in kwargs if key.startswith("moe_")]
-        if unknown:  # llama_cpp.Llama would swallow a misspelt option and load stock
-            moe_options(**{key: kwargs[key] for key in unknown})  # raises, naming the valid ones
+        moe = {key: kwargs.pop(key) for key in [key for key in kwargs if key.startswith("moe_")]}
+        check_known(moe)  # llama_cpp.Llama would swallow a misspelt option and load stock
+        moe_slots = moe.pop("moe_slots", None)
         self.rpc_servers = use_rpc_servers(rpc_servers, kwargs)
         verbose = kwargs.get("verbose", True)
-        if moe_load is None and (moe_slots is not None or moe_trace):
-            options = moe_options(moe_policy=moe_policy, moe_io_threads=moe_io_threads, moe_chunk_kb=moe_chunk_kb,
-                                  moe_read_io=moe_read_io, moe_queue_depth=moe_queue_depth,
-                                  moe_direct_io=moe_direct_io, moe_trace=moe_trace, moe_preload=moe_preload,
-                                  moe_resident_layers=moe_resident_layers, moe_profile=moe_profile,
-                                  moe_guess=moe_guess, moe_prefetch=moe_prefetch, moe_subst=moe_subst,
-                                  moe_verify=moe_verify, moe_repack=moe_repack, moe_host_cache=moe_host_cache,
-                                  moe_host_cache_unified=moe_host_cache_unified, moe_mtp=moe_mtp)
-            moe_load = _plan(model_path, moe_slots, options, kwargs)
+        if moe_load is None and (moe_slots is not None or moe.get("moe_trace")):
+            moe_load = _plan(model_path, moe_slots, moe_options(**moe), kwargs)
             print_notices(moe_load.warnings)  # whatever verbose is: a damaged cache file is never silent
             print_notices(moe_load.notes, verbose)
         elif moe_load is not None and Path(moe_load.index.path).resolve() != Path(model_path).resolve():
             raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")
+        given = {o.name: moe.get(o.keyword, o.default) for o in OPTIONS}  # a stock load's options, unchecked
         self.moe_load = moe_load
-        self.moe_repack = moe_load.options.repack if moe_load is not None else resolve_repack(moe_repack, None)
-        self.moe_mtp = moe_load.options.mtp if moe_load is not None else bool(moe_mtp)
+        self.moe_repack = moe_load.options.repack if moe_load is not None else resolve_repack(given["repack"], None)
+        self.moe_mtp = moe_load.options.mtp if moe_load is not None else bool(given["mtp"])
         self.moe_slots = moe_load.moe_slots if moe_load is not None else None  # "auto" resolved
-        self.moe_policy = moe_load.options.policy if moe_load is not None else moe_policy
+        self.moe_policy = moe_load.options.policy if moe_load is not None else given["policy"]
         self.moe_prefetch = moe_load.options.prefetch if self.moe_slots is not None else 0
         if moe_load is None or moe_load.pools is None:
             self._load_llama(model_path, args, kwargs)
@@ -275,6 +209,19 @@ class Llama(llama_cpp.Llama):
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
 
+
+def _signature():
+    """Llama.__init__'s signature as help(Llama) shows it: the moe_* keywords with their defaults,
+    from the table (the function takes them as **kwargs)."""
+    P = inspect.Parameter
+    return inspect.Signature(
+        [P("self", P.POSITIONAL_OR_KEYWORD), P("model_path", P.POSITIONAL_OR_KEYWORD), P("args", P.VAR_POSITIONAL)]
+        + [P(o.keyword, P.KEYWORD_ONLY, default=o.default) for o in OPTIONS]
+        + [P("rpc_servers", P.KEYWORD_ONLY, default=None), P("moe_load", P.KEYWORD_ONLY, default=None),
+           P("kwargs", P.VAR_KEYWORD)])
+
+
+Llama.__init__.__signature__ = _signature()
 
 _load_fields = threading.local()  # .fields: what model_params sets for the loads of this thread
 _wrapper_lock = threading.Lock()

@@ -27,13 +27,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import List, Optional
 
 from . import llama_cpp  # our libraries first
 from .planning.host_memory import available_memory, parse_floor, peak_rss
-from .planning.plan import moe_options, parse_moe_slots, plan_load, print_notices
-from .planning.sizing import DEFAULT_POLICY
-from .engine.stats import COUNTERS
+from .planning.options import OPTIONS, moe_options
+from .planning.plan import parse_moe_slots, plan_load, print_notices
+from .engine.pools import prometheus_label, prometheus_layers
+from .engine.stats import hit_rate
 from .llama import Llama as EmpanelLlama
 from .engine.rpc import use_servers as use_rpc_servers
 
@@ -43,7 +44,7 @@ try:
     from fastapi import APIRouter, HTTPException
     from fastapi.responses import PlainTextResponse
     from llama_cpp.server.settings import ModelSettings, ServerSettings
-    from pydantic import Field, field_validator
+    from pydantic import Field, create_model, field_validator
 except ImportError as e:  # pragma: no cover - exercised where the extras are missing
     raise ImportError(
         f"empanel-gguf serve needs llama_cpp.server's extras ({e.name} is missing).\n"
@@ -55,34 +56,10 @@ except ImportError as e:  # pragma: no cover - exercised where the extras are mi
 # settings
 
 
-class EmpanelModelSettings(ModelSettings):
-    """llama_cpp.server's ModelSettings with expert slot pools and the memory guard."""
+class _EmpanelLoadSettings(ModelSettings):
+    """llama_cpp.server's ModelSettings with the memory guard and RPC servers; the moe_* settings
+    come from the options' table (EmpanelModelSettings below)."""
 
-    moe_slots: Optional[str] = Field(
-        default=None,
-        description="Expert slots per MoE layer: a count (32), a share of the experts (25%), a "
-                    "budget for all pools (6GiB), auto (pools only if the experts do not fit in "
-                    "memory) or none. Unset: auto.")
-    moe_policy: str = Field(
-        default=DEFAULT_POLICY,
-        description="Which expert a full pool evicts: lfu-decay (per layer, default), lru (per "
-                    "layer) or g-lru (one budget for all layers).")
-    moe_resident_layers: int = Field(
-        default=0, description="The first N MoE layers keep every expert in memory (no pool).")
-    moe_prefetch: Union[int, str] = Field(
-        default="auto", description="Read the gate-ahead guess's experts that are not resident, N layers ahead "
-                                    "(0: the guess only orders eviction); auto: 1 where the pools page in the "
-                                    "plain layout under a per-layer policy, else 0.")
-    moe_subst: Optional[float] = Field(
-        default=None, description="Routing substitution, INEXACT: a resident expert among the router's next "
-                                  "choices stands in for a missing one if its score is at least this share of "
-                                  "the missing one's. Unset: exact.")
-    moe_verify: bool = Field(
-        default=False, description="Check every expert read against its XXH3-64 digest (empanel-gguf verify "
-                                   "saves them; else each expert's first read): a mismatch fails the request.")
-    moe_profile: Optional[str] = Field(
-        default="auto", description="Warm start from a calibration profile (empanel-gguf calibrate): auto "
-                                    "uses this model file's saved one if there is one; none starts cold.")
     mem_floor: Optional[str] = Field(
         default=None,
         description="Memory to keep free (2GiB, 5%, 0 = no guard): a load whose estimate leaves "
@@ -94,10 +71,27 @@ class EmpanelModelSettings(ModelSettings):
         description="HOST:PORT,... of ggml-rpc-server processes (llama.cpp's --rpc): the offloaded layers and "
                     "their slot pools go to them (n_gpu_layers: all unless set).")
 
-    @field_validator("moe_slots", "mem_floor", mode="before")
+    @field_validator("moe_slots", "mem_floor", mode="before", check_fields=False)
     @classmethod
     def _text(cls, value):
         return None if value is None else str(value)  # a config file may give 32 as a number
+
+
+def _moe_settings():
+    """The moe_* settings of a model, from the options' table (planning/options.py): the options
+    whose `server` names a type, with the commands' help as their description."""
+    settings = {}
+    for o in OPTIONS:
+        if o.server is not None:
+            unset = f" Unset: {o.show_default}." if o.show_default else ""
+            settings[o.keyword] = (o.server, Field(default=o.default, description=f"{o.help[0].upper()}{o.help[1:]}."
+                                                                                  f"{unset}"))
+    return settings
+
+
+EmpanelModelSettings = create_model(
+    "EmpanelModelSettings", __base__=_EmpanelLoadSettings, __module__=__name__,
+    __doc__="llama_cpp.server's ModelSettings with expert slot pools and the memory guard.", **_moe_settings())
 
 
 class EmpanelServerSettings(ServerSettings):
@@ -194,11 +188,8 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
             given = {"n_gpu_layers": settings.n_gpu_layers if "n_gpu_layers" in settings.model_fields_set else None}
             use_rpc_servers(rpc_servers, given)
             settings.n_gpu_layers = given["n_gpu_layers"]
-        moe = dict(moe_policy=getattr(settings, "moe_policy", DEFAULT_POLICY),
-                   moe_resident_layers=getattr(settings, "moe_resident_layers", 0),
-                   moe_prefetch=getattr(settings, "moe_prefetch", "auto"), moe_subst=getattr(settings, "moe_subst", None),
-                   moe_verify=getattr(settings, "moe_verify", False),
-                   moe_profile=getattr(settings, "moe_profile", "auto"))
+        moe = {o.keyword: getattr(settings, o.keyword, o.default) for o in OPTIONS
+               if o.server is not None and o.name != "slots"}
         load = None
         if settings.hf_model_repo_id is None and not settings.vocab_only:
             index = load_index(settings.model)
@@ -296,9 +287,8 @@ class RateSampler:
         t0, _, h0, m0, b0, r0 = self.samples[0]
         t1, _, h1, m1, b1, r1 = self.samples[-1]
         dt = max(t1 - t0, 1e-9)
-        lookups = (h1 - h0) + (m1 - m0)
         return {"window_s": round(dt, 3), "bytes_read_per_s": (b1 - b0) / dt,
-                "hit_rate": (h1 - h0) / lookups if lookups else None,
+                "hit_rate": hit_rate(h1 - h0, m1 - m0, none=None),
                 "read_gbps": (b1 - b0) / (r1 - r0) / 1e9 if r1 > r0 else None}
 
 
@@ -325,7 +315,7 @@ def stats_json(proxy, sampler):
 
 
 def _label(value):
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return prometheus_label(value)  # escaped by the sidecar, as every label it writes (csrc/metrics.c)
 
 
 def metrics_text(proxy, sampler):
@@ -345,15 +335,24 @@ def metrics_text(proxy, sampler):
             shown = str(value) if isinstance(value, int) else f"{float(value):.10g}"
             lines.append(f"{name}{{{text}}} {shown}" if text else f"{name} {shown}")
 
-    def per_layer(key):
-        return [((("model", model), ("layer", il)), row.get(key)) for il, row in data["layers"].items()]
+    def layer_families():
+        # the per-layer series, written by the sidecar as for llama.cpp's programs (csrc/metrics.c),
+        # under the lock that keeps the model (and its pools) from changing meanwhile
+        if not proxy._swap.acquire(timeout=1.0):
+            return ""
+        try:
+            alias, llm = proxy.current()
+            experts = getattr(llm, "_experts", None)
+            return prometheus_layers([experts], [alias]) if alias == data["model"] and experts is not None else ""
+        finally:
+            proxy._swap.release()
 
     metric("empanel_slot_pools", "gauge", "1 if the model runs with expert slot pools.",
            [((("model", model),), 1 if data["slot_pools"] else 0)])
     if data["slot_pools"]:
-        for c in COUNTERS:  # the per-layer series, as llama.cpp's programs name them (csrc/load.c)
-            if c.metric:
-                metric("empanel_" + c.metric, c.kind, c.help, per_layer(c.name))
+        families = layer_families()
+        if families:
+            lines.append(families.rstrip("\n"))
         metric("empanel_hit_rate", "gauge", "Expert hit rate since the model was loaded.",
                [((("model", model),), data["total"]["hit_rate"])])
         recent = data.get("recent") or {}

@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's empanel_gguf, not an installed one
 
 from empanel_gguf.commands.programs import program_path  # noqa: E402
+from empanel_gguf.engine.stats import hit_rate  # noqa: E402
 
 MiB = 1 << 20
 from empanel_gguf.planning.profile import DEFAULT_TEXT as TEXT  # noqa: E402  (prose that does not repeat)
@@ -193,7 +194,6 @@ def rows(results):
     for r in results:
         for i, p in enumerate(r["passes"]):
             pp, tg = p["pp"], p["tg"]
-            lookups = tg["hits"] + tg["misses"]
             out.append({
                 "config": r["config"], "pass": i + 1,
                 "pp_tps": pp["n"] / pp["s"], "tg_tps": 1.0 / tg["median_s"],
@@ -203,7 +203,7 @@ def rows(results):
                 "experts_sent_mib_per_token": per_token(tg, "copy_bytes") / MiB,
                 "by_hash_per_token": per_token(tg, "remote_by_hash"),
                 "round_trips_per_token": per_token(tg, "round_trips"),
-                "hit_rate": tg["hits"] / lookups if lookups else None,
+                "hit_rate": hit_rate(tg["hits"], tg["misses"], none=None),
                 "peak_gib": r["peak_rss"] / (1 << 30),
                 "host_peak_gib": [round(x / (1 << 30), 2) for x in r["host_peak_rss"] if x],
                 "host_cache_gib": r["host_cache_bytes"] / (1 << 30),

@@ -1,7 +1,7 @@
 """Get the llama.cpp source that empanel-gguf builds: fetch, verify, extract, add, patch.
 
 The source is exactly the llama.cpp vendored by the pinned llama-cpp-python source distribution
-(empanel_gguf/engine/pins.py). It is fetched with pip from the package registry at build time, checked
+(empanel_gguf/abi/pins.py). It is fetched with pip from the package registry at build time, checked
 against its SHA-256 and extracted without the 75 MB of vocab models. Then our own files that must
 sit in llama.cpp's tree (patches/files/: the llama_empanel_* hook module) are copied to the same
 paths in it, and patches/*.patch (edits of llama.cpp's own files) are applied in order.
@@ -50,8 +50,8 @@ class SourceError(RuntimeError):
 
 
 def load_pins():
-    """empanel_gguf/engine/pins.py, loaded by path so the build does not import the package."""
-    spec = importlib.util.spec_from_file_location("_empanel_pins", REPO / "empanel_gguf" / "engine" / "pins.py")
+    """empanel_gguf/abi/pins.py, loaded by path so the build does not import the package."""
+    spec = importlib.util.spec_from_file_location("_empanel_pins", REPO / "empanel_gguf" / "abi" / "pins.py")
     pins = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pins)
     return pins
@@ -185,7 +185,7 @@ def apply_patches(tree, patches, log=print):
             raise SourceError(
                 f"patch {patch.name} does not apply to the llama.cpp at {tree}:\n{detail}\n"
                 "HINT: the patch was made for another llama.cpp; regenerate it against the "
-                "pinned commit (empanel_gguf/engine/pins.py)."
+                "pinned commit (empanel_gguf/abi/pins.py)."
             )
     return applied
 

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from empanel_gguf.engine.header import ENGINE_POLICIES
+from empanel_gguf.abi.header import ENGINE_POLICIES
 from empanel_gguf.lab.policies import LAB_POLICIES
 from empanel_gguf.lab.replay import parse_sizes, replay
 from empanel_gguf.lab.trace import load_trace

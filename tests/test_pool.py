@@ -55,7 +55,7 @@ def slot_contents(llm, index, layer, slot):
         info = n.ffi.new("struct llama_empanel_pool_info *")
         assert n.llama.llama_empanel_pool_info(model, t.name.encode(), info)
         assert info.n_slots == llm._experts.n_slots[layer] and info.slot_bytes == t.stride
-        data = n.sidecar.empanel_slot_data(info.tensor, slot)
+        data = n.sidecar.empanel_backend_slot_data(info.tensor, slot)
         assert data != n.ffi.NULL, "F32 pools are plain host memory"
         out[kind] = bytes(n.ffi.buffer(data, t.stride))
     return out

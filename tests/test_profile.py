@@ -133,7 +133,7 @@ def test_a_damaged_cached_profile_is_reported_and_ignored(tmp_path, capfd):
 
 
 def test_calibrate_ranks_the_engine_policies(builtin_profile):
-    from empanel_gguf.engine.header import ENGINE_POLICIES
+    from empanel_gguf.abi.header import ENGINE_POLICIES
 
     index = load_index(BUILTIN_MODEL)
     profile = load_profile(builtin_profile, index)
@@ -197,3 +197,28 @@ def test_a_malformed_policy_ranking_is_refused(builtin_profile, tmp_path):
     bad.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="policy ranking"):
         load_profile(bad, load_index(BUILTIN_MODEL))
+
+
+@pytest.mark.parametrize("chosen, planned", [("lru", ["lfu-decay"]), ("g-lru", ["lfu-decay", "g-lru"])])
+def test_auto_policy_plans_the_slots_once(tmp_path, monkeypatch, chosen, planned):
+    """moe_policy="auto" plans the slots once, under the default policy, to choose; and again only
+    where the chosen policy sizes its pools otherwise (g-lru): the plan is the one the chosen
+    policy makes from the start."""
+    from empanel_gguf.abi.header import ENGINE_POLICIES
+    from empanel_gguf.planning import plan
+    from empanel_gguf.planning.cache import file_identity
+    from empanel_gguf.planning.profile import Profile
+
+    index = load_index(BUILTIN_MODEL)
+    ranking = {"slots": [8], "hit_rate": {p: [0.9 if p == chosen else 0.5] for p in ENGINE_POLICIES}}
+    profile = Profile(model=file_identity(index), n_expert=index.n_expert, n_expert_used=index.n_expert_used,
+                      moe_layers=index.moe_layers, tokens=600,
+                      counts=np.ones((len(index.moe_layers), index.n_expert), dtype=np.int64), policies=ranking)
+    path = save_profile(profile, tmp_path / f"{chosen}.json")
+    real, calls = plan.plan_slots, []
+    monkeypatch.setattr(plan, "plan_slots", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    load = plan.plan_load(index, 8, options=plan.moe_options(moe_profile=str(path)), guard=False)
+    assert load.options.policy == chosen and calls == planned
+    alone = real(index, 8, chosen)
+    assert (load.plan.n_slots, load.plan.budget_bytes, load.plan.pool_bytes) == (
+        alone.n_slots, alone.budget_bytes, alone.pool_bytes)

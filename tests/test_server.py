@@ -295,3 +295,48 @@ def test_server_under_load_answers_every_request(tmp_path):
         assert ask(client, "completion", False) == alone[("completion", False)]
         stats = json.loads(get(f"{base}/v1/empanel/stats")[2])
         assert stats["total"]["misses"] > 0
+
+
+def test_metrics_escape_labels_as_the_programs_do(tmp_path):
+    """/metrics of `empanel-gguf serve` and of llama.cpp's programs come from one writer
+    (csrc/metrics.c): a model path with a quote and a backslash reads the same in both, and every
+    label of the server's text (its own gauges too) escapes a newline, a quote and a backslash as
+    the text format says (a plan refuses a newline in a path, an alias may have one)."""
+    from empanel_gguf import server
+    from empanel_gguf.engine.native import native
+
+    path = tmp_path / 'a"b\\c.gguf'
+    fixtures.write_fixture("qwen3moe-f32", tmp_path).rename(path)
+    llm = Llama(str(path), n_ctx=64, verbose=False, moe_slots=4)
+    llm.create_completion(PROMPT, max_tokens=2)
+
+    class Proxy:  # the server's model proxy, holding this one model under `alias`
+        _swap = threading.RLock()
+
+        def __init__(self, alias):
+            self.alias = alias
+
+        def current(self):
+            return self.alias, llm
+
+        def snapshot(self, timeout=1.0):
+            return self.alias, llm.moe_stats(), {}
+
+    def series(text, family):
+        return sorted(line for line in text.splitlines() if line.startswith(family + "{"))
+
+    n = native()
+    buf = n.ffi.new("char[]", 1 << 20)
+    n.sidecar.empanel_program_metrics(buf, 1 << 20)
+    programs = n.ffi.string(buf).decode()
+    served = server.metrics_text(Proxy(str(path)), None)
+    label = 'model="' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    for family in ("empanel_slot_pools", "empanel_expert_hits_total", "empanel_read_bytes_total"):
+        mine = series(served, family)
+        assert mine and all(label in line for line in mine), mine
+        assert mine == [line for line in series(programs, family) if label in line], family
+
+    served = server.metrics_text(Proxy('x\n"y\\'), None)
+    for family in ("empanel_slot_pools", "empanel_expert_hits_total", "empanel_hit_rate"):
+        lines = series(served, family)
+        assert lines and all(line.startswith(family + '{model="x\\n\\"y\\\\"') for line in lines), lines

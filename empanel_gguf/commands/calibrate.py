@@ -65,7 +65,7 @@ def rank_policies(index, records):
     """The engine's eviction policies replayed over the routing records one token at a time (as
     decode calls them), the first RANK_WARMUP tokens warming the pools: {"slots": [...],
     "hit_rate": {policy: [...]}} at top-k, 12.5 %, 25 % and 50 % of the experts."""
-    from ..engine.header import ENGINE_POLICIES
+    from ..abi.header import ENGINE_POLICIES
     from ..lab.policies import make_policy
     from ..lab.replay import Call, run_policy
 

@@ -35,13 +35,14 @@ BOOTSTRAP_DIR = Path(__file__).resolve().parent.parent / "_bootstrap"
 
 
 def setup_arg_parser():
+    from ..planning.options import OPTION
     from .options import env_arg
 
     parser = argparse.ArgumentParser(
         prog="empanel-gguf exec", usage="empanel-gguf exec [options] -- PROGRAM [ARGS...]",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
-    env_arg(parser, "-ms", "--moe-slots", env="LLAMA_ARG_MOE_SLOTS", default="auto",
+    env_arg(parser, *OPTION["slots"].flags, env=OPTION["slots"].env, default="auto",
             metavar="N|P%|SIZE|auto|none", help="slots per MoE layer for the program's models")
     env_arg(parser, "--mem-floor", env="LLAMA_ARG_MEM_FLOOR", metavar="SIZE|P%",
             show_default="max(1 GiB, 5% of memory)", help="memory the guard keeps free; 0: no guard")

@@ -66,7 +66,7 @@ def main(argv=None):
     from dataclasses import asdict
 
     args = setup_arg_parser().parse_args(argv)
-    from ..engine.header import ENGINE_POLICIES
+    from ..abi.header import ENGINE_POLICIES
     from ..lab.fit import FitError, check_budgets, default_budgets, format_table, measure, plot, predict
     from ..lab.trace import TraceError
     from ..planning.estimate import cli_n_ctx, model_shape

@@ -12,14 +12,15 @@ the two runs are the same computation: KL 0. The text defaults to the calibratio
 import sys
 from pathlib import Path
 
+from ..planning.options import OPTION
 from .options import add_text_args, command_parser
 
 
 def setup_arg_parser():
     parser = command_parser("kl", __doc__)
     add_text_args(parser, "evaluate", 256, "; at most the model's training context")
-    parser.add_argument("-ms", "--moe-slots", default="25%", help="slots per MoE layer (default: 25%%)")
-    parser.add_argument("--moe-subst", type=float, default=None, metavar="R",
+    parser.add_argument(*OPTION["slots"].flags, default="25%", help="slots per MoE layer (default: 25%%)")
+    parser.add_argument(*OPTION["subst"].flags, type=float, default=None, metavar="R",
                         help="substitution ratio in (0, 1] (default: none, an exact run: KL 0)")
     return parser
 

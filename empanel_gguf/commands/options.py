@@ -1,14 +1,14 @@
 """Command-line pieces every subcommand shares: llama.cpp's option names (each with its
 LLAMA_ARG_* environment variable), the built-in model, notes on stderr, exit codes, and the
-load plan from parsed options (plan.plan_load).
+load plan from parsed options (plan.plan_load). The --moe-* flags are made from the MoE options' table
+(planning/options.py).
 """
 
 import argparse
 import os
 from pathlib import Path
 
-from ..engine.header import ENGINE_POLICIES
-from ..planning.sizing import DEFAULT_POLICY
+from ..planning.options import OPTIONS, parse_bool
 
 EXIT_MEMORY = 3  # refused or stopped by the memory guard
 
@@ -48,35 +48,6 @@ def add_text_args(parser, what, n_tokens, more=""):
 
 # ---------------------------------------------------------------------------------------------
 # options: llama.cpp's names, each with an LLAMA_ARG_* environment variable
-
-
-def parse_repack(text):
-    """--moe-repack: auto, or a boolean."""
-    return "auto" if str(text).strip().lower() == "auto" else parse_bool(text)
-
-
-def parse_prefetch(text):
-    """--moe-prefetch: auto, or a number of layers ahead (0: off)."""
-    value = str(text).strip().lower()
-    if value == "auto":
-        return "auto"
-    if value.isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"not auto or a number of layers: {text!r}")
-
-
-def parse_bool(text):
-    value = str(text).strip().lower()
-    if value in ("1", "on", "true", "yes", "y", "enabled"):
-        return True
-    if value in ("0", "off", "false", "no", "n", "disabled", ""):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (use on/off)")
-
-
-def auto_bool(text):
-    """'auto' -> None, else on/off as parse_bool."""
-    return None if str(text).strip().lower() == "auto" else parse_bool(text)
 
 
 def gpu_layers(text):
@@ -148,65 +119,15 @@ def add_load_args(parser):
 
 
 def add_moe_args(parser, moe_slots_default="auto"):
-    """-ms and the --moe-* options of Llama."""
-    env_arg(parser, "-ms", "--moe-slots", env="LLAMA_ARG_MOE_SLOTS", metavar="N|P%|SIZE|auto|none",
-            default=None, show_default=moe_slots_default,
-            help="expert slots per MoE layer: a count, a share of the experts, a budget for all "
-                 "pools (6GiB), auto (slot pools only if the experts do not fit in memory), or "
-                 "none (every expert resident)")
-    env_arg(parser, "--moe-policy", env="LLAMA_ARG_MOE_POLICY", default="auto",
-            choices=("auto",) + tuple(ENGINE_POLICIES),
-            help="which expert a full pool evicts: auto (the one `calibrate` ranked best for this "
-                 f"file at the planned slots, else {DEFAULT_POLICY}), lfu-decay (least used, decaying "
-                 "counts) and lru per layer, g-lru with one budget for all layers")
-    env_arg(parser, "--moe-io-threads", env="LLAMA_ARG_MOE_IO_THREADS", type=int, default=8,
-            help="expert reader threads besides the decoding thread (0: it reads alone)")
-    env_arg(parser, "--moe-chunk-kb", env="LLAMA_ARG_MOE_CHUNK_KB", type=int, default=256,
-            help="KiB per expert read request")
-    env_arg(parser, "--moe-read-io", env="LLAMA_ARG_MOE_READ_IO", default="auto", choices=("auto", "threads", "uring"),
-            help="how reads are issued: threads (--moe-io-threads preads), uring (one thread, io_uring at "
-                 "--moe-queue-depth; the threads where there is none) or auto (the path measured best)")
-    env_arg(parser, "--moe-queue-depth", env="LLAMA_ARG_MOE_QUEUE_DEPTH", type=int, default=32,
-            help="io_uring: read requests in flight at most")
-    env_arg(parser, "--moe-direct-io", env="LLAMA_ARG_MOE_DIRECT_IO", type=parse_bool, default=True,
-            metavar="on|off", help="read experts with O_DIRECT")
-    env_arg(parser, "--moe-preload", env="LLAMA_ARG_MOE_PRELOAD", type=auto_bool, default=None,
-            metavar="auto|on|off", show_default="auto",
-            help="read experts into the empty slots at load; auto: only when the pools hold every "
-                 "expert")
-    env_arg(parser, "--moe-resident-layers", env="LLAMA_ARG_MOE_RESIDENT_LAYERS", type=int, default=0,
-            metavar="N", help="the first N MoE layers keep every expert in memory (no pool)")
-    env_arg(parser, "--moe-guess", env="LLAMA_ARG_MOE_GUESS", type=parse_bool, default=True, metavar="on|off",
-            help="the gate-ahead guess: the next layer's router on this layer's input; its experts are "
-                 "evicted last (no reads)")
-    env_arg(parser, "--moe-prefetch", env="LLAMA_ARG_MOE_PREFETCH", type=parse_prefetch, default="auto",
-            metavar="auto|N",
-            help="also read the guessed experts that are not resident, N layers ahead, behind the layer's own "
-                 "reads; reads of guesses the layer does not route to are dropped when it comes. auto (default): "
-                 "1 where the pools page in the plain layout under a per-layer policy, else 0 (off)")
-    env_arg(parser, "--moe-verify", env="LLAMA_ARG_MOE_VERIFY", type=parse_bool, default=False, metavar="on|off",
-            help="check every expert read against its XXH3-64 digest (those empanel-gguf verify saved, else "
-                 "its first read's); a mismatch fails the decode")
-    env_arg(parser, "--moe-subst", env="LLAMA_ARG_MOE_SUBST", type=float, default=None, metavar="R",
-            help="routing substitution, INEXACT: a resident expert among the router's next choices stands "
-                 "in for a missing one if its score is at least R x the missing one's (empanel-gguf kl "
-                 "measures the cost)")
-    env_arg(parser, "--moe-repack", env="LLAMA_ARG_MOE_REPACK", type=parse_repack, default="auto",
-            metavar="auto|on|off",
-            help="auto (default): stock's CPU repack buffers where the pools hold every expert, none where they "
-                 "page (plain pools: reads land in the slots, nothing is repacked; faster there); on: stock's "
-                 "defaults always; off: as llama.cpp's --no-repack always. The report names the stock command "
-                 "the outputs equal")
-    env_arg(parser, "--moe-host-cache", env="LLAMA_ARG_MOE_HOST_CACHE", default=None, metavar="SIZE",
-            help="a host-RAM tier for pools in device memory (offloaded layers): experts they read stay in "
-                 "host memory and a miss is served from there before the drive (e.g. 16GiB)")
-    env_arg(parser, "--moe-host-cache-unified", env="LLAMA_ARG_MOE_HOST_CACHE_UNIFIED", type=parse_bool,
-            default=False, metavar="on|off",
-            help="keep the host tier even on a unified-memory GPU (integrated, Metal), where it holds every "
-                 "cached expert twice")
-    env_arg(parser, "--moe-profile", env="LLAMA_ARG_MOE_PROFILE", default="auto", metavar="auto|PATH|none",
-            help="warm start from a calibration profile (empanel-gguf calibrate): auto uses this model "
-                 "file's saved one if there is one")
+    """-ms and the --moe-* options of Llama, from the table (planning/options.py)."""
+    for o in OPTIONS:
+        if not o.flags:
+            continue  # (moe_trace and moe_mtp: the commands set them)
+        extra = {key: value for key, value in (("type", o.parse), ("metavar", o.metavar), ("choices", o.choices))
+                 if value is not None}
+        show = moe_slots_default if o.name == "slots" else o.show_default
+        env_arg(parser, *o.flags, env=o.env, default=o.default,
+                show_default=show, help=o.help, **extra)
 
 
 def llama_kwargs(args, n_ctx):
@@ -228,15 +149,10 @@ def llama_kwargs(args, n_ctx):
 
 def moe_options_from_args(args, trace=False):
     """plan.MoeOptions of the options add_moe_args added (moe_slots aside)."""
-    from ..planning.plan import moe_options
+    from ..planning.options import moe_options
 
-    return moe_options(moe_policy=args.moe_policy, moe_io_threads=args.moe_io_threads,
-                       moe_chunk_kb=args.moe_chunk_kb, moe_read_io=args.moe_read_io,
-                       moe_queue_depth=args.moe_queue_depth, moe_direct_io=args.moe_direct_io, moe_trace=trace,
-                       moe_preload=args.moe_preload, moe_resident_layers=args.moe_resident_layers,
-                       moe_guess=args.moe_guess, moe_prefetch=args.moe_prefetch, moe_subst=args.moe_subst,
-                       moe_verify=args.moe_verify, moe_profile=args.moe_profile, moe_repack=args.moe_repack,
-                       moe_host_cache=args.moe_host_cache, moe_host_cache_unified=args.moe_host_cache_unified)
+    given = {o.keyword: getattr(args, o.keyword) for o in OPTIONS if o.flags and o.name != "slots"}
+    return moe_options(moe_trace=trace, **given)
 
 
 def plan_from_args(index, args, moe_slots, kwargs, trace=False, lora_paths=()):

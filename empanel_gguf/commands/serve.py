@@ -20,13 +20,14 @@ import argparse
 import os
 import sys
 
+from ..planning.options import OPTION
 from .options import DEFAULT_MODEL_SLOTS, EXIT_MEMORY, default_model_path, gpu_layers, parse_bool
 
 # llama.cpp's spellings of llama_cpp.server's settings: (flags, setting, type, environment variable)
 LLAMA_CPP_ALIASES = (
     (("-m",), "model", str, "LLAMA_ARG_MODEL"),
     (("-a", "--alias"), "model_alias", str, "LLAMA_ARG_ALIAS"),
-    (("-ms", "--moe-slots"), "moe_slots", str, "LLAMA_ARG_MOE_SLOTS"),
+    (OPTION["slots"].flags, "moe_slots", str, OPTION["slots"].env),
     (("--mem-floor",), "mem_floor", str, "LLAMA_ARG_MEM_FLOOR"),
     (("-c", "--ctx-size"), "n_ctx", int, "LLAMA_ARG_CTX_SIZE"),
     (("-b", "--batch-size"), "n_batch", int, "LLAMA_ARG_BATCH"),

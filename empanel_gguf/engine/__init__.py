@@ -1,8 +1,7 @@
 """The native seam and what runs on it: our libraries found, checked and opened (native), the
-llama.cpp they are built from (pins), the header's declarations read as data (header), the slot
-pools (pools), their counters (stats) and RPC hosts (rpc).
+slot pools (pools), their counters (stats) and RPC hosts (rpc).
 
-Planning may read the declarations (pins, header, stats), which load no library; nothing here
-imports the faces (llama, server, commands, cli) or the lab. This file imports nothing, so that
-the build can read pins.py by path and planning can import a declaration without the seam.
+The engine stands on planning (a load's plan, plan_file) and abi (the header's declarations and
+the pins); nothing here imports the faces (llama, server, commands, cli), the lab or the writers.
+This file imports nothing.
 """

@@ -11,8 +11,8 @@ import os
 import re
 import sys
 
-from . import pins
-from .header import HEADER_TEXT, SIDECAR_VERSION, header_path, lib_dir, parse_counters, parse_policies
+from ..abi import pins
+from ..abi.header import HEADER_TEXT, SIDECAR_VERSION, header_path, lib_dir, parse_counters, parse_policies
 
 
 _sidecar = None  # Native, once opened

@@ -4,13 +4,16 @@
                   load steps (csrc/load.c, as for llama.cpp's programs); stats, trace, errors
     LabPool       a pool without files (empanel_lab_init): the engine's own policy code replayed
                   over routing calls, for the policy lab (lab/policies.py, lab/replay.py)
+    prometheus_layers, prometheus_label
+                  the sidecar's Prometheus text of pools' per-layer counters and its label escape
+                  (csrc/metrics.c: the one writer, llama.cpp's programs' /metrics too)
 """
 
 import numpy as np
 
-from .native import NativeLibraryError, native
-from .header import COUNTERS, policy_id
+from ..abi.header import COUNTERS, policy_id
 from ..planning.plan_file import load_text
+from .native import NativeLibraryError, native
 from .stats import layer_stats
 
 
@@ -92,8 +95,6 @@ class ExpertPools:
     def take_trace(self):
         """The routing recorded since the last call: int32 [layer, n_tokens, n_used, ids...]
         per remap call (see empanel_trace_enable)."""
-        import numpy as np
-
         n = self.n.sidecar.empanel_trace_size(self.pool)
         out = np.empty(n, dtype=np.int32)
         got = self.n.sidecar.empanel_trace_take(self.pool, self.n.ffi.cast("int32_t *", out.ctypes.data), n)
@@ -193,9 +194,9 @@ class LabPool:
         profile's order), else lowest ids. Returns the experts placed."""
         for layer, order in (orders or {}).items():
             buf = self.n.ffi.new("int32_t[]", list(order))
-            if self.n.sidecar.empanel_pool_preload_order(self.pool, layer, buf, self.n.ffi.NULL, len(order)) != 0:
+            if self.n.sidecar.empanel_preload_order(self.pool, layer, buf, self.n.ffi.NULL, len(order)) != 0:
                 raise ValueError(f"empanel lab: layer {layer}: preload order refused")
-        return self.n.sidecar.empanel_pool_preload(self.pool)
+        return self.n.sidecar.empanel_preload(self.pool)
 
     def stats(self, layer):
         out = self.n.ffi.new("struct empanel_layer_stats *")
@@ -204,3 +205,35 @@ class LabPool:
 
     def reset_stats(self):
         self.n.sidecar.empanel_stats_reset(self.pool)
+
+
+def _sidecar_text(write):
+    """What write(buf, size) puts into a buffer, grown until the whole text fits (it returns the
+    length of the whole text, as the sidecar's writers do)."""
+    ffi = native().ffi
+    size = 1 << 16
+    while True:
+        buf = ffi.new("char[]", size)
+        n = write(buf, size)
+        if n < size:
+            return ffi.string(buf).decode(errors="replace")
+        size = n + 4096  # (the counters grew meanwhile: try again)
+
+
+def prometheus_layers(pools, models):
+    """Prometheus text of the per-layer counter families of ExpertPools pools[i], labeled
+    model=models[i]: written by the sidecar (csrc/metrics.c), the one writer llama.cpp's programs'
+    /metrics use too."""
+    n = native()
+    handles = n.ffi.new("struct empanel_pool *[]", [p.pool for p in pools])
+    names = [n.ffi.new("char[]", str(m).encode()) for m in models]
+    labels = n.ffi.new("const char *[]", names)
+    return _sidecar_text(lambda buf, size: n.sidecar.empanel_metrics_layers(handles, labels, len(pools), buf, size))
+
+
+def prometheus_label(value):
+    """A label value escaped as the Prometheus text format wants it (backslash, double quote,
+    newline), as the sidecar escapes every label it writes (csrc/metrics.c)."""
+    n = native()
+    raw = str(value).encode()
+    return _sidecar_text(lambda buf, size: n.sidecar.empanel_metrics_label(raw, buf, size))

@@ -1,10 +1,11 @@
 """The counters of a paged layer and what is derived from them.
 
-The counters are declared once, in csrc/empanel.h (EMPANEL_LAYER_COUNTERS, read by header.py):
+The counters are declared once, in csrc/empanel.h (EMPANEL_LAYER_COUNTERS, read by abi/header.py):
 the C struct, the stats file and /metrics of llama.cpp's programs (csrc/load.c), the cffi
 declaration of the struct (native.py) and the names here are all made from that list.
 
     NAMES                 every counter's name as reported (*_ns fields as *_s, seconds)
+    hit_rate(hits, misses) the share of lookups that hit (the one definition)
     layer_stats(raw)      {layer: {field: value}} -> {"layers": rows, "total": totals and rates}
     summary_line(stats)   the one-line summary Llama.close and the programs print
     read_stats_file(path) the loads a program recorded in its stats file
@@ -13,13 +14,16 @@ declaration of the struct (native.py) and the names here are all made from that 
 import json
 import os
 
-from .header import COUNTERS
+from ..abi.header import COUNTERS
 
 NAMES = tuple(c.name for c in COUNTERS)
 
 
-def _rate(hits, misses):
-    return hits / (hits + misses) if hits + misses else 0.0
+def hit_rate(hits, misses, none=0.0):
+    """hits / (hits + misses): the share of expert lookups that found the expert resident; `none`
+    where there were none. The one definition: moe_stats, the programs' stats, the server's recent
+    window, the lab's replay and fit all use it."""
+    return hits / (hits + misses) if hits + misses else none
 
 
 def layer_stats(raw, n_masked=0, n_expert_used=0):
@@ -30,11 +34,11 @@ def layer_stats(raw, n_masked=0, n_expert_used=0):
     total = dict.fromkeys(NAMES, 0)
     for il, counters in raw.items():
         row = {c.name: c.value(counters.get(c.field, 0)) for c in COUNTERS}
-        row["hit_rate"] = _rate(row["hits"], row["misses"])
+        row["hit_rate"] = hit_rate(row["hits"], row["misses"])
         layers[il] = row
         for name in NAMES:
             total[name] += row[name]
-    total["hit_rate"] = _rate(total["hits"], total["misses"])
+    total["hit_rate"] = hit_rate(total["hits"], total["misses"])
     total["read_gbps"] = total["io_bytes"] / total["read_s"] / 1e9 if total["read_s"] else 0.0
     total["copy_gbps"] = total["copy_bytes"] / total["write_s"] / 1e9 if total["write_s"] else 0.0
     total["round_trip_us"] = 1e6 * total["remap_s"] / total["n_remaps"] if total["n_remaps"] else 0.0

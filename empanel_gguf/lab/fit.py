@@ -46,7 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.stats import hit_rate
 from ..planning.format import GiB, MiB
+from ..planning.options import CHUNK_KB, READ_THREADS
 from ..planning.sizing import DEFAULT_POLICY
 
 MEASURE_SLOTS = "25%"  # pools of the measuring run (or the most that fit, if fewer)
@@ -118,7 +120,6 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
     from ..planning.profile import DEFAULT_TEXT
     from .bench.host import probe_drive
     from .recorder import Recorder
-    from ..llama import Llama
 
     index = load_index(model_path)
     if not index.is_moe:
@@ -126,40 +127,20 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
                        "fit predicts MoE models only")
     identity = file_identity(index)
     json_path, trace_path = _cache_paths(identity)
-    if not fresh and json_path.is_file() and trace_path.is_file():
-        try:
-            data = json.loads(json_path.read_text())
-            if data.get("format") == FORMAT and data.get("version") == VERSION and data.get("model") == identity:
-                fields = {k: v for k, v in data.items() if k not in ("format", "version")}
-                m = Measurement(**fields)
-                if m.n_threads == n_threads:
-                    return m
-        except (OSError, ValueError, TypeError):
-            pass  # measured again below
+    saved = None if fresh else _saved_measurement(json_path, trace_path, identity, n_threads)
+    if saved is not None:
+        return saved
     say = log or (lambda _: None)
-    n_decode_max = max(n_decode, MAX_DECODE)
+    text = text if text is not None else DEFAULT_TEXT
     n_ctx_train = model_shape(index).n_ctx_train or 4096
     n_ctx = max(DECODE_PROMPT + DECODE_SEGMENT + 8, min(n_prompt + DECODE_SEGMENT + 8, n_ctx_train))
-    # pools that page (a quarter of the experts, or what fits if less): the run reads, so it measures
-    # the readers' rate and the overlap as well as the compute
-    from ..planning.guard import MemoryRefused
-    from ..planning.plan import moe_options, plan_load
-
-    # (no read-ahead: the run measures a layer's own reads, which the replay prices)
-    kwargs = dict(moe_trace=True, moe_prefetch=0, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=n_threads,
-                  verbose=False)
-    slots_asked = MEASURE_SLOTS
-    try:
-        plan_load(index, MEASURE_SLOTS, kwargs, options=moe_options(moe_trace=True, moe_prefetch=0))
-    except MemoryRefused:
-        slots_asked = "auto"
-    llm = Llama(str(model_path), moe_slots=slots_asked, **kwargs)
+    llm = _paging_llm(model_path, index, n_ctx, n_threads)
     notes = []
     try:
         plan = llm._experts.plan
         slots = plan.min_slots if plan is not None else index.n_expert
         rec = Recorder(llm)
-        tokens = llm.tokenize((text if text is not None else DEFAULT_TEXT).encode("utf-8"))
+        tokens = llm.tokenize(text.encode("utf-8"))
         n_prompt = max(1, min(n_prompt, n_ctx - DECODE_SEGMENT - 1))  # (a short training context)
         tokens = (tokens * (1 + n_prompt // max(1, len(tokens))))[:n_prompt]
         say(f"fit: measuring {Path(model_path).name} at {slots} slots per layer: {len(tokens)} prompt tokens, "
@@ -168,33 +149,9 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
         rec.prompt(tokens)
         t1 = time.perf_counter()
         after_prompt = (llm.moe_stats() or {}).get("total") or dict(ZERO)
-        # decode in segments of DECODE_SEGMENT tokens, so that one continuation (a small model's
-        # greedy loop) does not make the hit rate: the first after the prompt (which the first
-        # paragraph opens), each next one after another paragraph (the context cut back, the pools
-        # kept; one segment per paragraph, since a paragraph again decodes the same greedy tokens):
-        # n_decode tokens, and more (up to n_decode_max) while the readers have read less than
-        # MIN_READ_BYTES, within `seconds`
-        paragraphs = [p for p in (text if text is not None else DEFAULT_TEXT).split("\n\n") if p.strip()]
-        read_more = slots < index.n_expert  # pools that hold every expert read nothing
-        decode = dict(ZERO, wall=0.0)
-        n_done, segment = 0, 0
-        deadline = t0 + seconds
-        while time.perf_counter() < deadline and segment < max(1, len(paragraphs)) and (
-                n_done < n_decode or (read_more and n_done < n_decode_max and decode["io_bytes"] < MIN_READ_BYTES)):
-            if segment > 0:
-                head = llm.tokenize(paragraphs[segment].encode("utf-8"))
-                rec.prompt_to(head[:max(1, min(DECODE_PROMPT, n_ctx - DECODE_SEGMENT - 8))])
-            before, t_seg = (llm.moe_stats() or {}).get("total") or dict(ZERO), time.perf_counter()
-            room = n_ctx - llm.n_tokens - 1
-            step = rec.generate(max(0, min(DECODE_SEGMENT, n_decode_max - n_done, room)), stop_at_eog=False)
-            decode["wall"] += time.perf_counter() - t_seg
-            after = (llm.moe_stats() or {}).get("total") or dict(ZERO)
-            for key in ZERO:
-                decode[key] += after[key] - before[key]
-            n_done += len(step)
-            segment += 1
-            if not step:
-                break  # nothing left to decode (a full context)
+        # pools that hold every expert read nothing: no need to decode more for the readers' rate
+        decode, n_done = _decode_segments(llm, rec, text, n_ctx, n_decode, read_more=slots < index.n_expert,
+                                          deadline=t0 + seconds)
         t_end = time.perf_counter()
         trace_path.parent.mkdir(parents=True, exist_ok=True)
         rec.save(trace_path)
@@ -208,19 +165,81 @@ def measure(model_path, *, n_prompt=512, n_decode=32, seconds=120.0, n_threads=N
     # the readers' rate in decode (its reads are what the prediction's decode reads; a prompt's
     # waves read at another depth)
     read_bytes, read_s = int(decode["io_bytes"]), decode["read_s"]
-    hits, misses = decode["hits"], decode["misses"]
-    live_hit = hits / (hits + misses) if hits + misses else None
-    drive = probe_drive(index, probe_seconds, 256 * 1024, 8) if probe_seconds > 0 else None
+    drive = probe_drive(index, probe_seconds, CHUNK_KB * 1024, READ_THREADS) if probe_seconds > 0 else None
     if drive is None and probe_seconds > 0:
         notes.append("the drive probe could not read with O_DIRECT (tmpfs?)")
     m = Measurement(model=identity, trace_path=str(trace_path), slots=int(slots), n_threads=n_threads,
                     n_prompt=len(tokens), n_decode=n_done, prompt_compute_ms=prompt_ms,
                     decode_compute_ms=decode_ms, prompt_hidden=prompt_hidden, decode_hidden=decode_hidden,
                     read_gbps=read_bytes / read_s / 1e9 if read_s > 0 else None, read_bytes=read_bytes, drive=drive,
-                    seconds=t_end - t0, decode_hit_rate=live_hit, when=time.strftime("%Y-%m-%d %H:%M"),
-                    notes=notes)
+                    seconds=t_end - t0, decode_hit_rate=hit_rate(decode["hits"], decode["misses"], none=None),
+                    when=time.strftime("%Y-%m-%d %H:%M"), notes=notes)
     json_path.write_text(json.dumps({"format": FORMAT, "version": VERSION, **asdict(m)}, indent=1))
     return m
+
+
+def _saved_measurement(json_path, trace_path, identity, n_threads):
+    """The measurement saved for this file at these threads, None if there is none that fits."""
+    if not (json_path.is_file() and trace_path.is_file()):
+        return None
+    try:
+        data = json.loads(json_path.read_text())
+        if data.get("format") == FORMAT and data.get("version") == VERSION and data.get("model") == identity:
+            m = Measurement(**{k: v for k, v in data.items() if k not in ("format", "version")})
+            if m.n_threads == n_threads:
+                return m
+    except (OSError, ValueError, TypeError):
+        pass  # measured again
+    return None
+
+
+def _paging_llm(model_path, index, n_ctx, n_threads):
+    """The model on pools that page (a quarter of the experts, or what fits if less), traced: the
+    run reads, so it measures the readers' rate and the overlap as well as the compute. No
+    read-ahead: the run measures a layer's own reads, which the replay prices."""
+    from ..llama import Llama
+    from ..planning.guard import MemoryRefused
+    from ..planning.plan import moe_options, plan_load
+
+    kwargs = dict(moe_trace=True, moe_prefetch=0, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=n_threads,
+                  verbose=False)
+    slots_asked = MEASURE_SLOTS
+    try:
+        plan_load(index, MEASURE_SLOTS, kwargs, options=moe_options(moe_trace=True, moe_prefetch=0))
+    except MemoryRefused:
+        slots_asked = "auto"
+    return Llama(str(model_path), moe_slots=slots_asked, **kwargs)
+
+
+def _decode_segments(llm, rec, text, n_ctx, n_decode, read_more, deadline):
+    """(the decode's counters summed, with "wall" its seconds; tokens decoded). It decodes in
+    segments of DECODE_SEGMENT tokens, so that one continuation (a small model's greedy loop) does
+    not make the hit rate: the first after the prompt (which the first paragraph opens), each next
+    one after another paragraph (the context cut back, the pools kept; one segment per paragraph,
+    since a paragraph again decodes the same greedy tokens): n_decode tokens, and more (up to
+    MAX_DECODE) while the readers have read less than MIN_READ_BYTES (read_more), until the
+    deadline."""
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    n_decode_max = max(n_decode, MAX_DECODE)
+    decode = dict(ZERO, wall=0.0)
+    n_done, segment = 0, 0
+    while time.perf_counter() < deadline and segment < max(1, len(paragraphs)) and (
+            n_done < n_decode or (read_more and n_done < n_decode_max and decode["io_bytes"] < MIN_READ_BYTES)):
+        if segment > 0:
+            head = llm.tokenize(paragraphs[segment].encode("utf-8"))
+            rec.prompt_to(head[:max(1, min(DECODE_PROMPT, n_ctx - DECODE_SEGMENT - 8))])
+        before, t_seg = (llm.moe_stats() or {}).get("total") or dict(ZERO), time.perf_counter()
+        room = n_ctx - llm.n_tokens - 1
+        step = rec.generate(max(0, min(DECODE_SEGMENT, n_decode_max - n_done, room)), stop_at_eog=False)
+        decode["wall"] += time.perf_counter() - t_seg
+        after = (llm.moe_stats() or {}).get("total") or dict(ZERO)
+        for key in ZERO:
+            decode[key] += after[key] - before[key]
+        n_done += len(step)
+        segment += 1
+        if not step:
+            break  # nothing left to decode (a full context)
+    return decode, n_done
 
 
 def default_budgets(index, params, available=None):

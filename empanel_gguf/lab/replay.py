@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..planning.format import format_bytes
-from ..engine.header import ENGINE_POLICIES
+from ..abi.header import ENGINE_POLICIES
+from ..engine.stats import hit_rate
 from .policies import LAB_POLICIES, make_policy
 from ..planning.sizing import GLRU_HEADROOM
 
@@ -179,7 +180,7 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
             per_token = counted["missed_bytes"] / n_counted if n_counted else 0.0
             results.append(dict(
                 policy=name, slots=slots, capacity=capacity,
-                hit_rate=_rate(counted["hits"], counted["misses"]),
+                hit_rate=hit_rate(counted["hits"], counted["misses"]),
                 hits=counted["hits"], misses=counted["misses"],
                 missed_bytes_per_token=per_token,
                 ceiling_tok_s=gbps * 1e9 / per_token if per_token > 0 else math.inf,
@@ -192,10 +193,6 @@ def replay(trace, sizes=None, policies=None, gbps=1.0, count="decode", ubatch=No
     return dict(summary=summarize(trace), count=count, counted_tokens=n_counted, gbps=gbps,
                 sizes=sizes, policies=policies, notes=notes, results=results,
                 engine_check=engine_check(trace, results, ubatch))
-
-
-def _rate(hits, misses):
-    return hits / (hits + misses) if hits + misses else 0.0
 
 
 def summarize(trace):
@@ -226,7 +223,7 @@ def engine_check(trace, results, ubatch=None):
             replayed = (r["total_hits"], r["total_misses"])
             return dict(policy=r["policy"], slots=r["slots"], engine_hits=live[0],
                         engine_misses=live[1], replay_hits=replayed[0], replay_misses=replayed[1],
-                        engine_hit_rate=_rate(*live), replay_hit_rate=_rate(*replayed),
+                        engine_hit_rate=hit_rate(*live), replay_hit_rate=hit_rate(*replayed),
                         match=live == replayed)
     return None
 

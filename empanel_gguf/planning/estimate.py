@@ -227,6 +227,6 @@ def _supports_gpu_offload():
 
 
 def waves_may_be_masked():
-    """Whether a paged layer's waves may run masked in this process (llama-empanel.cpp): a device
+    """Whether a paged layer's waves may run masked in this process (llama-empanel-pools.cpp): a device
     layers can offload to (op offload may take plain host pools to it), or EMPANEL_WAVE_MASK=1."""
     return os.environ.get("EMPANEL_WAVE_MASK") == "1" or _supports_gpu_offload()

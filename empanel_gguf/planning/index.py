@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
 
-from ..engine.pins import READ_ALIGN
+from ..abi.pins import READ_ALIGN
 
 KINDS = ("gate", "up", "down", "gate_up")
 
@@ -409,10 +409,32 @@ def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
     blocks that llama.cpp will not create (mtp False, or an architecture whose loader never does)
     are left out of `layers` and of every total, as the load leaves them in the file: no pool, no
     bytes; `mtp_skipped` lists them."""
-    path = Path(path)
+    headers = _read_shards(Path(path))
+    first = headers[0]  # llama.cpp reads the model's metadata from the first shard only
+    shape = _block_shape(first, headers, mtp)
+    found = _expert_tensors(headers, shape)
+    split_tensors = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+    if len(headers) > 1 and split_tensors is not None and split_tensors != found.n_tensors:
+        raise ModelError(first.path, f"split.tensors.count is {split_tensors} but the {len(headers)} shards hold "
+                         f"{found.n_tensors} tensors; some shard is from another model")
+
+    checked = [_check_layer(first.path, il, found.by_layer[il]) for il in sorted(found.by_layer)]
+    if checked and not 0 < shape.n_expert_used <= shape.n_expert:
+        raise ModelError(first.path, f"{shape.arch}.expert_used_count is {shape.n_expert_used} with "
+                         f"{shape.n_expert} experts; the model is inconsistent, re-convert it")
+    return ModelIndex(first.path, found.shards, shape.arch, shape.n_layer, shape.n_expert, shape.n_expert_used,
+                      [layer for layer in checked if layer.layer < shape.first_mtp], found.expert_bytes,
+                      found.other_bytes, first.metadata, n_layer_nextn=shape.n_layer_nextn,
+                      mtp_loaded=shape.mtp_loaded,
+                      mtp_skipped=[layer for layer in checked if layer.layer >= shape.first_mtp],
+                      mtp_skipped_bytes=found.skipped_bytes)
+
+
+def _read_shards(path: Path) -> list:
+    """The headers of every shard of the model `path` belongs to, in order; ModelError for a
+    missing shard or shards that do not belong together."""
     header = _read_header(path)
     paths = _shard_paths(path, header)
-
     headers = []
     for i, p in enumerate(paths):
         if p != path and not p.exists():
@@ -422,8 +444,22 @@ def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
             raise ModelError(p, f"split.no is {h.metadata.get(Keys.Split.LLM_KV_SPLIT_NO)!r}, expected {i}; "
                              "the shards do not belong together")
         headers.append(h)
-    first = headers[0]  # llama.cpp reads the model's metadata from the first shard only
+    return headers
 
+
+@dataclass
+class _BlockShape:
+    """What the first shard's metadata says of the blocks and experts."""
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_layer_nextn: int   # MTP ("nextn") blocks at the end
+    mtp_loaded: bool     # whether llama.cpp creates them for this load
+    first_mtp: int       # blocks from here on are skipped (n_layer where the MTP blocks load)
+
+
+def _block_shape(first, headers, mtp) -> _BlockShape:
     arch = first.metadata.get(Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
         raise ModelError(first.path, "has no general.architecture; it is not a llama.cpp model")
@@ -441,14 +477,28 @@ def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
             t.name == f"blk.{n_layer - n_layer_nextn}.nextn.eh_proj.weight" for h in headers for t in h.tensors):
         n_layer_nextn = 0
     mtp_loaded = n_layer_nextn > 0 and mtp and arch in MTP_ARCHS
-    first_mtp = n_layer if mtp_loaded else n_layer - n_layer_nextn  # blocks from here on are skipped
+    return _BlockShape(arch, n_layer, n_expert, n_expert_used, n_layer_nextn, mtp_loaded,
+                       first_mtp=n_layer if mtp_loaded else n_layer - n_layer_nextn)
 
-    shards: list[Shard] = []
-    by_layer: dict[int, dict[str, ExpertTensor]] = {}
+
+@dataclass
+class _Tensors:
+    """The shards' tensors, sorted: the routed experts by layer and kind, and bytes (of the blocks
+    the load creates) of experts and of everything else."""
+    shards: list = field(default_factory=list)
+    by_layer: dict = field(default_factory=dict)  # {layer: {kind: ExpertTensor}}
+    n_tensors: int = 0
+    expert_bytes: int = 0
+    other_bytes: int = 0
+    skipped_bytes: int = 0  # of the MTP blocks llama.cpp skips
+
+
+def _expert_tensors(headers, shape: _BlockShape) -> _Tensors:
+    arch, n_expert = shape.arch, shape.n_expert
+    found = _Tensors()
     seen: set[str] = set()
-    expert_bytes = other_bytes = skipped_bytes = 0
     for i, h in enumerate(headers):
-        shards.append(Shard(i, h.path, h.file_size, h.data_offset, len(h.tensors)))
+        found.shards.append(Shard(i, h.path, h.file_size, h.data_offset, len(h.tensors)))
         for t in h.tensors:
             if t.name in seen:
                 raise ModelError(h.path, "appears twice in the model; the shards do not belong together", t.name)
@@ -457,43 +507,30 @@ def load_index(path: os.PathLike | str, mtp: bool = False) -> ModelIndex:
                 raise ModelError(h.path, "uses the old one-tensor-per-expert layout, which llama.cpp no longer "
                                  "loads; re-convert the model with a current convert_hf_to_gguf.py", t.name)
             block = _BLOCK_RE.match(t.name)
-            skipped = block is not None and int(block.group(1)) >= first_mtp  # an MTP block llama.cpp skips
-            skipped_bytes += t.nbytes if skipped else 0
+            skipped = block is not None and int(block.group(1)) >= shape.first_mtp  # an MTP block llama.cpp skips
+            found.skipped_bytes += t.nbytes if skipped else 0
             m = _EXPS_RE.match(t.name)
             if not m:
-                other_bytes += 0 if skipped else t.nbytes
+                found.other_bytes += 0 if skipped else t.nbytes
                 continue
             layer, kind = int(m.group(1)), m.group(2)
-            shape = t.shape + (1,) * (_GGML_MAX_DIMS - len(t.shape))  # pad to 4 dims, as ggml does
-            if len(t.shape) < 3 or shape[3] != 1:
+            dims = t.shape + (1,) * (_GGML_MAX_DIMS - len(t.shape))  # pad to 4 dims, as ggml does
+            if len(t.shape) < 3 or dims[3] != 1:
                 raise ModelError(h.path, f"has shape {list(t.shape)}; a routed expert tensor must be 3-D "
                                  "[ne0, ne1, n_expert]; re-convert the model", t.name)
-            if shape[2] != n_expert:
-                raise ModelError(h.path, f"holds {shape[2]} experts but {arch}.expert_count is {n_expert}; "
+            if dims[2] != n_expert:
+                raise ModelError(h.path, f"holds {dims[2]} experts but {arch}.expert_count is {n_expert}; "
                                  "the model is inconsistent, re-convert it", t.name)
-            if not 0 <= layer < n_layer:
-                raise ModelError(h.path, f"is on layer {layer} but {arch}.block_count is {n_layer}", t.name)
-            expert_bytes += 0 if skipped else t.nbytes
-            by_layer.setdefault(layer, {})[kind] = ExpertTensor(
+            if not 0 <= layer < shape.n_layer:
+                raise ModelError(h.path, f"is on layer {layer} but {arch}.block_count is {shape.n_layer}", t.name)
+            found.expert_bytes += 0 if skipped else t.nbytes
+            found.by_layer.setdefault(layer, {})[kind] = ExpertTensor(
                 name=t.name, layer=layer, kind=kind, type_name=type_name(t.type_id),
-                shape=(shape[0], shape[1], shape[2]), shard=i, path=h.path,
+                shape=(dims[0], dims[1], dims[2]), shard=i, path=h.path,
                 offset=h.data_offset + t.rel_offset,
-                stride=row_size(t.type_id, shape[0]) * shape[1])
-
-    split_tensors = first.metadata.get(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
-    if len(headers) > 1 and split_tensors is not None and split_tensors != len(seen):
-        raise ModelError(first.path, f"split.tensors.count is {split_tensors} but the {len(headers)} shards hold "
-                         f"{len(seen)} tensors; some shard is from another model")
-
-    checked = [_check_layer(first.path, il, by_layer[il]) for il in sorted(by_layer)]
-    if checked and not 0 < n_expert_used <= n_expert:
-        raise ModelError(first.path, f"{arch}.expert_used_count is {n_expert_used} with {n_expert} experts; "
-                         "the model is inconsistent, re-convert it")
-    return ModelIndex(first.path, shards, arch, n_layer, n_expert, n_expert_used,
-                      [layer for layer in checked if layer.layer < first_mtp], expert_bytes, other_bytes,
-                      first.metadata, n_layer_nextn=n_layer_nextn, mtp_loaded=mtp_loaded,
-                      mtp_skipped=[layer for layer in checked if layer.layer >= first_mtp],
-                      mtp_skipped_bytes=skipped_bytes)
+                stride=row_size(t.type_id, dims[0]) * dims[1])
+    found.n_tensors = len(seen)
+    return found
 
 
 def _check_layer(path: Path, il: int, tensors: dict[str, ExpertTensor]) -> MoeLayer:

@@ -18,16 +18,18 @@ Pure Python: it reads the model's header and our cache files, and loads no libra
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..abi.header import READ_IO, policy_id
 from .estimate import Estimate, estimate, model_shape, unified_devices, waves_may_be_masked
 from .format import format_bytes
 from .guard import check, max_slots_that_fit
-from ..engine.header import ENGINE_POLICIES, policy_id
 from .host_memory import available_memory, default_floor
 from .index import adapter_expert_tensors
-from .sizing import DEFAULT_POLICY, SlotPlan, parse_size, plan_slots
+from .options import OPTION, MoeOptions
+from .options import moe_options  # noqa: F401  (the faces' plan.moe_options: planning/options.py's)
+from .sizing import DEFAULT_POLICY, SlotPlan, parse_size, plan_slots, sizes_alike
 
 # the Llama arguments the estimate reads, with llama-cpp-python's defaults
 # (gpu_offload: whether n_gpu_layers can offload; None: ask the build and its devices)
@@ -35,69 +37,34 @@ ESTIMATE_KWARGS = {"n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "n_gpu_layers"
                    "flash_attn": False, "type_k": None, "type_v": None, "gpu_offload": None}
 
 
-@dataclass
-class MoeOptions:
-    """How the pools run: Llama's moe_* arguments other than moe_slots (same names without the
-    prefix, same defaults)."""
-    policy: str = "auto"  # "auto": the calibrated profile's best at the planned slots, else DEFAULT_POLICY
-    io_threads: int = 8
-    chunk_kb: int = 256
-    read_io: str = "auto"          # "auto", "threads" (io_threads preads) or "uring" (one thread, io_uring)
-    queue_depth: int = 32          # io_uring: read requests in flight at most
-    direct_io: bool = True
-    trace: bool = False
-    preload: object = None         # None: auto (pools that hold every expert, or a profile); True; False
-    resident_layers: int = 0
-    profile: object = "auto"       # "auto", a path, or None
-    guess: bool = True
-    prefetch: object = "auto"      # layers read ahead: "auto" (resolve_prefetch) or N >= 0 (0: off)
-    subst: object = None           # a ratio in (0, 1], None: exact routing
-    verify: bool = False
-    repack: object = "auto"        # "auto" (resolve_repack), True: stock's defaults (CPU repack buffers),
-                                   # False: none (llama.cpp's --no-repack): plain pools
-    host_cache: object = None      # the host-RAM tier of device pools: bytes or a size ("8GiB"); None: none
-    host_cache_unified: bool = False  # keep the tier on a unified-memory device anyway
-    mtp: bool = False              # load the file's MTP blocks (llama.cpp's load_mtp): their experts paged too
-
-
-MOE_KEYWORDS = tuple(f"moe_{f.name}" for f in fields(MoeOptions))
-
-
 def resolve_repack(repack, plan) -> bool:
     """moe_repack -> whether the load keeps llama.cpp's CPU repack buffers (its defaults) or not
     (--no-repack). "auto" is a rule, not a probe, so that a load never flips between layouts:
     pools that hold every expert (or no pools) keep stock's defaults; pools that page are plain,
-    because there plain pools measured faster on every row (48-layer 30B shape, 40 % cap, 2 cores,
-    2026-12-02: pp512 1.16-1.41x stock from the mapping against 0.86-0.91x repacked, decode
-    2.6-2.9x against 1.4-2.1x; docs/performance.md): reads land in plain slots, while repacked
-    slots cost the readers a repack of every expert, and stock itself can only run such a model
-    from the mapping, unrepacked. Where waves may be masked (a device to offload to, or
-    EMPANEL_WAVE_MASK=1) auto keeps the defaults too."""
+    because there plain pools measured faster on every row (docs/performance.md, "The layout
+    default"): reads land in plain slots, while repacked slots cost the readers a repack of every
+    expert, and stock itself can only run such a model from the mapping, unrepacked. Where waves
+    may be masked (a device to offload to, or EMPANEL_WAVE_MASK=1) auto keeps the defaults too:
+    masked waves over plain Q4_K pools are not exact to stock --no-repack (tests/test_slots.py)."""
+    repack = OPTION["repack"].checked(repack)
     if repack == "auto":
-        # masked waves over plain Q4_K pools measured 7e-7 off stock --no-repack (EMPANEL_WAVE_MASK=1,
-        # tests/test_slots.py): where waves may be masked, auto keeps stock's defaults
         return plan is None or plan.holds_all or waves_may_be_masked()
-    if isinstance(repack, bool):
-        return repack
-    raise ValueError(f"moe_repack={repack!r}: 'auto', True (llama.cpp's defaults: CPU repack buffers) or False "
-                     "(--no-repack: plain pools)")
+    return repack
 
 
 def resolve_prefetch(prefetch, plan, repack: bool, policy: str, guess: bool = True) -> int:
     """moe_prefetch -> layers whose guessed experts are read ahead. "auto" is a rule, not a probe:
     1 where the pools page in the plain layout (repack resolved False: host pools that reads land
     in) under a per-layer policy, where a read-ahead goes in its own lane behind the reads of the
-    layer computing now (csrc/batch.c, empanel_batch_beside), else 0. Measured on 2 cores under a
-    40 % cap with io_uring (docs/performance.md, 2026-12-06): decode +23 and +28 % on the 48-layer
-    30B shape, +10 and +17 % on the skewed 12-layer one, +3 % on the uniform 12-layer one (noise);
-    repacked pools (the readers repack what they read) and g-lru (no read-ahead beside another
-    layer's reads) keep none, as do pools that hold every expert (nothing to read) and loads
-    without the gate-ahead guess (nothing to read ahead from)."""
+    layer computing now (csrc/batch.c, empanel_batch_beside), else 0: measured faster on every
+    model there (docs/performance.md, "Read-ahead in its own lane"). Repacked pools (the readers
+    repack what they read) and g-lru (no read-ahead beside another layer's reads) keep none, as do
+    pools that hold every expert (nothing to read) and loads without the gate-ahead guess (nothing
+    to read ahead from)."""
+    prefetch = OPTION["prefetch"].checked(prefetch)
     if prefetch == "auto":
         pages = plan is not None and not plan.holds_all
         return 1 if pages and guess and not repack and policy != "g-lru" else 0
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"moe_prefetch={prefetch!r}: 'auto' or a number of layers ahead (0 = off)")
     return prefetch
 
 
@@ -108,19 +75,6 @@ def stock_equivalent(repack: bool, subst=None) -> str:
     if subst is not None:
         return "none: routing substitution (moe_subst) changes the routing"
     return "llama.cpp with its defaults" if repack else "llama.cpp --no-repack"
-
-
-def moe_options(**moe_kwargs) -> MoeOptions:
-    """MoeOptions from Llama's keyword names (moe_policy=..., moe_profile=...). A moe_profile of
-    "none"/"off"/"" means None. ValueError for an unknown moe_* name, naming the valid ones."""
-    unknown = sorted(set(moe_kwargs) - set(MOE_KEYWORDS))
-    if unknown:
-        raise ValueError(f"unknown MoE option{'s' * (len(unknown) > 1)} {', '.join(unknown)}: the options are "
-                         f"moe_slots, {', '.join(MOE_KEYWORDS)}")
-    values = {key[len("moe_"):]: value for key, value in moe_kwargs.items()}
-    if isinstance(values.get("profile"), str) and values["profile"].strip().lower() in ("none", "off", ""):
-        values["profile"] = None
-    return MoeOptions(**values)
 
 
 def host_cache_bytes(host_cache, est, unified_devices=0, allow_unified=False) -> int:
@@ -157,54 +111,33 @@ class PoolSetup:
     host_cache: int = 0     # bytes of the host-RAM tier of device pools (moe_host_cache), 0: none
 
 
-# moe_read_io -> enum empanel_read_io (csrc/empanel.h)
-READ_IO = {"auto": 0, "threads": 1, "uring": 2}
-MAX_QUEUE_DEPTH = 256  # EMPANEL_MAX_QUEUE_DEPTH (csrc/empanel-impl.h)
-
-
-def read_io_id(read_io, queue_depth) -> int:
-    """moe_read_io, moe_queue_depth checked -> the enum's value; ValueError naming the choices."""
-    if read_io not in READ_IO:
-        raise ValueError(f"moe_read_io={read_io!r}: 'auto', 'threads' (moe_io_threads threads, pread each) or "
-                         "'uring' (one thread, io_uring at moe_queue_depth)")
-    if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
-        raise ValueError(f"moe_queue_depth={queue_depth!r}: read requests in flight, 1 to {MAX_QUEUE_DEPTH}")
-    return READ_IO[read_io]
-
-
-def pool_setup(index, plan, policy=DEFAULT_POLICY, io_threads=8, chunk_kb=256, direct_io=True, trace=False,
-               guess=True, prefetch=0, subst=None, verify=False, read_io="auto", queue_depth=32) -> PoolSetup:
-    """The pools of a load with `plan` (sizing.SlotPlan, None: no slots); ValueError for bad
-    moe_* arguments."""
+def pool_setup(index, plan, options=None) -> PoolSetup:
+    """The pools of a load with `plan` (sizing.SlotPlan, None: no slots) and `options`
+    (MoeOptions, checked when made, with policy and prefetch resolved; None: the defaults, under
+    DEFAULT_POLICY without read-ahead)."""
+    options = options or MoeOptions(policy=DEFAULT_POLICY, prefetch=0)
     n_slots = list(plan.n_slots) if plan is not None else [0] * index.n_layer
-    if trace:  # layers without a pool are observed: their routing is traced too
+    if options.trace:  # layers without a pool are observed: their routing is traced too
         n_slots = [-1 if n == 0 and il in index.moe_layers else n for il, n in enumerate(n_slots)]
-    if io_threads < 0 or chunk_kb < 4:
-        raise ValueError(f"moe_io_threads={io_threads}, moe_chunk_kb={chunk_kb}: need >= 0 threads, >= 4 KiB")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"moe_prefetch={prefetch!r}: give a number of layers ahead (0 = off)")
-    if subst is not None and (isinstance(subst, bool) or not isinstance(subst, (int, float)) or not 0 < subst <= 1):
-        raise ValueError(f"moe_subst={subst!r}: a ratio in (0, 1] (0.5: a stand-in needs half the missing "
-                         "expert's score), or None")
     params = {
-        "n_threads": io_threads,
-        "chunk_bytes": chunk_kb * 1024,
-        "direct_io": 1 if direct_io else -1,
-        "policy": policy_id(policy),
+        "n_threads": options.io_threads,
+        "chunk_bytes": options.chunk_kb * 1024,
+        "direct_io": 1 if options.direct_io else -1,
+        "policy": policy_id(options.policy),
         "budget_bytes": plan.budget_bytes if plan is not None else 0,
-        "prefetch": prefetch,
-        "subst_ratio": float(subst or 0.0),
-        "verify": 1 if verify else 0,
-        "read_io": read_io_id(read_io, queue_depth),
-        "queue_depth": queue_depth,
+        "prefetch": options.prefetch,
+        "subst_ratio": float(options.subst or 0.0),
+        "verify": 1 if options.verify and plan is not None else 0,
+        "read_io": READ_IO[options.read_io],  # enum empanel_read_io
+        "queue_depth": options.queue_depth,
     }
     return PoolSetup(
         n_slots=n_slots,
         paged=[t for t in index.expert_tensors() if n_slots[t.layer] > 0],
         params=params,
         # guesses: one layer ahead to order eviction, as many as prefetch reads
-        guess_depth=max(1, prefetch) if (guess or prefetch) and plan is not None else 0,
-        subst=subst if plan is not None else None)
+        guess_depth=max(1, options.prefetch) if (options.guess or options.prefetch) and plan is not None else 0,
+        subst=options.subst if plan is not None else None)
 
 
 def preload_orders(profile, n_slots, moe_layers, seed_uses=0):
@@ -295,50 +228,79 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     (Llama with an explicit moe_slots); force: warn instead of refusing. Raises guard.MemoryRefused, sizing.SlotsError for
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
-    if options.policy not in ENGINE_POLICIES and options.policy != "auto":
-        raise ValueError(f"moe_policy={options.policy!r}: auto or one of {', '.join(ENGINE_POLICIES)}")
-    requested = moe_slots
-    resident_layers = options.resident_layers
     given = llama_kwargs or {}
     kwargs = {key: given.get(key, default) for key, default in ESTIMATE_KWARGS.items()}
     kwargs["shape"] = model_shape(index)
-    notes = []
-    if available is None:
-        available = available_memory()
+    available = available_memory() if available is None else available
     floor = default_floor() if floor is None else floor
-    name = Path(index.path).name
-    what = what or f"loading {name}"
+    notes = []
 
+    decided = _decide_slots(index, moe_slots, kwargs, options.resident_layers, available, floor, notes)
+    plan, options = _plan_pools(index, decided, options, notes)
+    est = _estimate(index, plan, kwargs, options, notes)
+    if guard:
+        check(est, index, plan, available=available, floor=floor, force=force,
+              what=what or f"loading {Path(index.path).name}")
+    load = LoadPlan(requested=moe_slots, moe_slots=decided, plan=plan, estimate=est, available=available,
+                    floor=floor, notes=notes, index=index, options=options)
+    if plan is None and not (options.trace and index.is_moe):
+        return load  # stock: nothing for the sidecar
+    load.pools = pool_setup(index, plan, options)
+    load.pools.host_cache = est.host_cache
+    if plan is not None:  # (else the routing is traced, every expert resident)
+        _fill_pools(load, lora_paths)
+    return load
+
+
+def _decide_slots(index, moe_slots, kwargs, resident_layers, available, floor, notes):
+    """moe_slots as planned: "auto" decided against the available memory (None: every expert
+    resident), None for a model without routed experts."""
+    name = Path(index.path).name
     if moe_slots == "auto":
         if not index.is_moe:
-            moe_slots = None
-        else:
-            full = estimate(index, None, **kwargs)
-            if available is None or full.host <= available - floor:
-                moe_slots = None
-                notes.append(f"moe-slots auto: all {index.n_expert} experts per layer fit in memory"
-                             + ("" if available is not None else " (available memory unknown)"))
-            else:
-                # the fewest slots if none fit: check() below then refuses with the advice
-                moe_slots = max(max_slots_that_fit(index, available - floor, full.params, resident_layers),
-                                index.n_expert_used)
-                notes.append(f"moe-slots auto: {moe_slots} of {index.n_expert} expert slots per "
-                             f"layer fit in {format_bytes(available - floor)} (available minus floor)")
+            return None
+        full = estimate(index, None, **kwargs)
+        if available is None or full.host <= available - floor:
+            notes.append(f"moe-slots auto: all {index.n_expert} experts per layer fit in memory"
+                         + ("" if available is not None else " (available memory unknown)"))
+            return None
+        # the fewest slots if none fit: the guard then refuses with the advice
+        moe_slots = max(max_slots_that_fit(index, available - floor, full.params, resident_layers),
+                        index.n_expert_used)
+        notes.append(f"moe-slots auto: {moe_slots} of {index.n_expert} expert slots per "
+                     f"layer fit in {format_bytes(available - floor)} (available minus floor)")
     if moe_slots is not None and not index.is_moe:
         notes.append(f"{name}: no routed experts ({index.architecture}); moe_slots ignored, loading as usual")
-        moe_slots = None
+        return None
+    return moe_slots
 
-    if options.policy == "auto":
-        options = replace(options, policy=_auto_policy(index, moe_slots, options, notes))
-    plan = plan_slots(index, moe_slots, options.policy, resident_layers) if moe_slots is not None else None
+
+def _plan_pools(index, moe_slots, options, notes):
+    """(slots per layer or None, options with policy, repack and prefetch resolved). moe_policy
+    "auto" plans the slots once under DEFAULT_POLICY to choose, and again only where the chosen
+    policy sizes its pools otherwise (g-lru)."""
+    plan = None
+    if moe_slots is not None:
+        policy = DEFAULT_POLICY if options.policy == "auto" else options.policy
+        plan = plan_slots(index, moe_slots, policy, options.resident_layers)
+        if options.policy == "auto":
+            options = replace(options, policy=_auto_policy(index, plan.min_slots, options, notes))
+            if not sizes_alike(options.policy, policy):
+                plan = plan_slots(index, moe_slots, options.policy, options.resident_layers)
+    elif options.policy == "auto":
+        options = replace(options, policy=DEFAULT_POLICY)  # (no pools: no eviction)
     if plan is not None and index.n_layer_nextn:
         notes.append(_mtp_line(index))
     if options.repack == "auto" and plan is not None and not resolve_repack("auto", plan):
         notes.append("moe_repack auto: the pools page, so no CPU repack buffers (plain pools, as llama.cpp "
                      "--no-repack, whose outputs these equal; moe_repack=True keeps stock's defaults)")
-    options = replace(options, repack=resolve_repack(options.repack, plan))
-    options = replace(options, prefetch=resolve_prefetch(options.prefetch, plan, options.repack, options.policy,
-                                                         options.guess))
+    repack = resolve_repack(options.repack, plan)
+    prefetch = resolve_prefetch(options.prefetch, plan, repack, options.policy, options.guess)
+    return plan, replace(options, repack=repack, prefetch=prefetch)
+
+
+def _estimate(index, plan, kwargs, options, notes):
+    """What the load keeps resident (estimate.Estimate), the host tier included."""
     est = estimate(index, plan, **kwargs)
     if plan is not None:
         notes += plan.notices
@@ -348,19 +310,13 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
             notes.append(f"host tier: {format_bytes(est.host_cache)} of host memory keeps experts the device pools "
                          "read; a miss is served from it before the drive")
     notes += est.notes
-    if guard:
-        check(est, index, plan, available=available, floor=floor, force=force, what=what)
-    load = LoadPlan(requested=requested, moe_slots=moe_slots, plan=plan, estimate=est, available=available,
-                    floor=floor, notes=notes, index=index, options=options)
-    if plan is None and not (options.trace and index.is_moe):
-        return load  # stock: nothing for the sidecar
+    return est
 
-    load.pools = pool_setup(index, plan, options.policy, options.io_threads, options.chunk_kb, options.direct_io,
-                            options.trace, options.guess, options.prefetch, options.subst,
-                            options.verify and plan is not None, options.read_io, options.queue_depth)
-    load.pools.host_cache = est.host_cache
-    if plan is None:
-        return load  # the routing is traced, every expert resident
+
+def _fill_pools(load, lora_paths):
+    """What a load with slot pools needs besides them: adapters checked, the saved digests, the
+    warm start's profile and preload order, whether to preload and whether the pools are pinned."""
+    index, plan, options, notes = load.index, load.plan, load.options, load.notes
     for path in lora_paths:
         check_adapter(path)
     if options.verify:
@@ -377,7 +333,6 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     if profile is not None and not load.pinned:
         # counts up to the pool's size: under lfu-decay they halve away with the same clock
         load.orders = preload_orders(profile, load.pools.n_slots, index.moe_layers, seed_uses=plan.min_slots)
-    return load
 
 
 def _mtp_line(index):
@@ -429,14 +384,11 @@ def _saved_digests(index, notes):
     return saved
 
 
-def _auto_policy(index, moe_slots, options, notes):
-    """moe_policy="auto": the policy the calibration profile's replay ranks best at the planned
-    slots (calibrate), else DEFAULT_POLICY."""
+def _auto_policy(index, slots, options, notes):
+    """moe_policy="auto": the policy the calibration profile's replay ranks best at `slots` per
+    layer (calibrate), else DEFAULT_POLICY."""
     from .profile import ProfileError, resolve
 
-    if moe_slots is None:
-        return DEFAULT_POLICY  # (no pools: no eviction)
-    slots = plan_slots(index, moe_slots, DEFAULT_POLICY, options.resident_layers).min_slots
     try:
         profile, _ = resolve(index, options.profile)
     except ProfileError:

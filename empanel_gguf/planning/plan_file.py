@@ -12,7 +12,9 @@ csrc/plan_file.c; a plan lives as long as its load and is never a model file.
 
 import os
 
-PLAN_VERSION = 1  # EMPANEL_PLAN_VERSION in csrc/plan_file.c
+from ..abi.header import define
+
+PLAN_VERSION = define("EMPANEL_PLAN_VERSION")  # csrc/empanel.h: the version csrc/plan_file.c reads
 
 
 def _mtime_ns(path):

@@ -24,7 +24,7 @@ _UNITS = {
 }
 
 
-DEFAULT_POLICY = "lfu-decay"  # measured: fewer misses than lru and g-lru (README, Performance)
+DEFAULT_POLICY = "lfu-decay"  # measured: fewer misses than lru and g-lru (docs/performance.md)
 
 GLRU_HEADROOM = 2  # g-lru: a layer's pool holds up to this many times its even share
 
@@ -112,6 +112,12 @@ def pool_slots(policy, slots, n_expert, n_expert_used):
     if policy == "g-lru":
         return min(n_expert, max(GLRU_HEADROOM * slots, slots + n_expert_used))
     return slots
+
+
+def sizes_alike(policy, other):
+    """Whether plan_slots gives the same plan under both policies: only g-lru sizes its pools
+    (pool_slots) and a budget otherwise."""
+    return (policy == "g-lru") == (other == "g-lru")
 
 
 def _wanted_slots(index, moe_slots, layers=None, resident_bytes=0):

@@ -16,6 +16,7 @@ from pathlib import Path
 from .synthetic import ModelShape, write_model
 from ...planning.format import GiB, MiB
 from ...planning.host_memory import meminfo
+from ...planning.options import READ_THREADS
 from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
@@ -25,7 +26,8 @@ from .report import details_table, fmt, fmt_bytes, main_table, model_label
 
 def build_info() -> dict:
     import empanel_gguf
-    from empanel_gguf.engine import native, pins
+    from empanel_gguf.abi import pins
+    from empanel_gguf.engine import native
 
     info = {"empanel_gguf": str(Path(empanel_gguf.__file__).parent), "lib_dir": str(native.lib_dir()),
             "llama_commit": pins.LLAMA_COMMIT, "python": sys.version.split()[0]}
@@ -169,7 +171,8 @@ def setup_arg_parser():
                    help="seconds of O_DIRECT reads before and after every run, and twice that at start and end (0: off)")
     g.add_argument("--probe-chunk-kb", type=int, default=None, help="(default: moe_chunk_kb, else 256)")
     g.add_argument("--probe-depth", type=int, default=None,
-                   help="threads reading at once (default: moe_io_threads + 1, else 9: the reader's 8 and the caller)")
+                   help=f"threads reading at once (default: moe_io_threads + 1, else {READ_THREADS + 1}: the "
+                        f"reader's {READ_THREADS} and the caller)")
 
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="OUT", help="write every sample and the rows as JSON")
@@ -275,7 +278,7 @@ def _setup(args, model) -> tuple[Bench, list[Config]]:
         notices.append("/proc/sys/vm/drop_caches is not writable: runs start with whatever is cached")
 
     probe_chunk = (args.probe_chunk_kb or moe_opts.get("moe_chunk_kb") or 256) * 1024
-    probe_depth = args.probe_depth or ((moe_opts["moe_io_threads"] + 1) if moe_opts.get("moe_io_threads") else 9)
+    probe_depth = args.probe_depth or (moe_opts.get("moe_io_threads") or READ_THREADS) + 1
     probe_direct = moe_opts.get("moe_direct_io", True) not in (False, 0, -1)
     bench = Bench(args=args, index=index, model_path=Path(model), model_bytes=model_bytes,
                   cap_bytes=int(args.cap * model_bytes), guard_bytes=guard, cgroup=cgroup,

@@ -52,7 +52,7 @@ def parse_config(text: str, top_k: int) -> list[Config]:
     elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():
         kind, slots, ra = MMAP, None, int(name[len(MMAP) + 3:])
     elif name.startswith(EMPANEL + "-") and len(name) > len(EMPANEL) + 1:
-        from ...engine.header import ENGINE_POLICIES
+        from ...abi.header import ENGINE_POLICIES
 
         value, *parts = name[len(EMPANEL) + 1:].split("/")
         kind, ra = EMPANEL, None

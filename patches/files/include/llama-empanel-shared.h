@@ -1,7 +1,7 @@
 #pragma once
 
 // What libllama's empanel hooks and the empanel-gguf sidecar (libempanel) share: constants, the
-// callback types the sidecar implements, what a pool tensor is at bind, and the two predicates
+// callback types the sidecar implements, what a pool tensor is at bind, and the three predicates
 // both sides must answer alike. Nothing here is a call into the other library: each reads this
 // header, and only the sidecar's csrc/load.c calls libllama (through include/llama-empanel.h).
 
@@ -91,13 +91,14 @@ static inline bool llama_empanel_buffer_in_host_memory(ggml_backend_buffer_t buf
     return ggml_backend_buffer_is_host(buf) || (dev != NULL && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU);
 }
 
-// a GPU (or integrated GPU) of this process: op offload may take plain host pools' MUL_MAT_IDs
-// to it. An RPC server's device is none: it never offloads, and its pools are device pools
+// a device of an RPC server (its backend registry is ggml-rpc's)
 static inline bool llama_empanel_device_is_rpc(ggml_backend_dev_t dev) {
     const char * reg = ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev));
     return reg != NULL && strcmp(reg, "RPC") == 0;
 }
 
+// a GPU (or integrated GPU) of this process: op offload may take plain host pools' MUL_MAT_IDs
+// to it. An RPC server's device is none: it never offloads, and its pools are device pools
 static inline bool llama_empanel_device_is_gpu(ggml_backend_dev_t dev) {
     const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
     return (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) &&

@@ -20,7 +20,8 @@
 
 namespace {
 
-// the sidecar's program API (empanel.h); a program and a pool are opaque here
+// the sidecar's program API (csrc/empanel.h); a program (its struct empanel_load *) and a pool
+// (struct empanel_pool *) are opaque here
 struct llama_empanel_sidecar {
     void *       (*open)       (const char * plan_path, const char * model_path, char * err, size_t err_size);
     int32_t      (*loaded)     (void * prog, const llama_model * model, char * err, size_t err_size);
@@ -33,7 +34,7 @@ struct llama_empanel_sidecar {
 };
 
 std::mutex                            g_program_mutex;
-std::map<const llama_model *, void *> g_programs; // model -> its program (struct empanel_program *)
+std::map<const llama_model *, void *> g_programs; // model -> its program (struct empanel_load *)
 std::atomic<const llama_empanel_sidecar *> g_sidecar{nullptr}; // set once, read by any thread (/metrics)
 
 #if !defined(_WIN32)

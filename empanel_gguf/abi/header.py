@@ -1,5 +1,5 @@
-"""What csrc/empanel.h declares as lists, read as data: the counters of a paged layer and the
-eviction policies.
+"""What csrc/empanel.h declares, read as data: the counters of a paged layer, the eviction
+policies, the read paths, the pool's defaults and bounds, and the versions.
 
 Both are declared once, as X-macro lists in the header (EMPANEL_LAYER_COUNTERS, EMPANEL_POLICIES):
 the C structs and enums, the programs' stats file and /metrics (csrc/load.c), the cffi
@@ -10,6 +10,10 @@ can use it.
     COUNTERS          Counter(field, kind, metric, help) per counter, in the struct's order
     ENGINE_POLICIES   the engine's eviction policies by name, in enum order
     SIDECAR_VERSION   EMPANEL_SIDECAR_VERSION: the library must report the same
+    DEFINES           {name: int} of every numeric #define EMPANEL_*: the pool's defaults and
+                      bounds (EMPANEL_DEFAULT_READ_THREADS, EMPANEL_MAX_QUEUE_DEPTH, ...),
+                      EMPANEL_PLAN_VERSION
+    READ_IO           {"auto": 0, "threads": 1, "uring": 2}: enum empanel_read_io by name
     policy_id(name)   enum empanel_policy of a name; ValueError if unknown
 """
 
@@ -88,10 +92,34 @@ def parse_version(header_text):
     return int(match.group(1))
 
 
+def parse_defines(header_text):
+    """{name: value} of every `#define EMPANEL_NAME <integer>` of a header's text."""
+    return {name: int(value) for name, value in re.findall(r"^#define (EMPANEL_\w+)[ \t]+(\d+)\b", header_text, re.M)}
+
+
+def parse_enum(header_text, enum, prefix):
+    """{name: value} of `enum <enum> { <prefix>NAME = value, ... }`, names lowercased without the
+    prefix."""
+    match = re.search(rf"enum {enum}\s*\{{(.*?)\}};", header_text, re.S)
+    if match is None:
+        raise ValueError(f"empanel.h has no enum {enum}")
+    body = re.sub(r"//[^\n]*", "", match.group(1))
+    return {name.lower(): int(value) for name, value in re.findall(rf"\b{prefix}(\w+)\s*=\s*(\d+)", body)}
+
+
+def define(name):
+    """The value of `#define name <integer>` in empanel.h; ValueError if it has none."""
+    if name not in DEFINES:
+        raise ValueError(f"empanel.h ({header_path()}) has no #define {name}; reinstall empanel-gguf")
+    return DEFINES[name]
+
+
 HEADER_TEXT = header_path().read_text()
 COUNTERS = parse_counters(HEADER_TEXT)
 ENGINE_POLICIES = tuple(name for _, name in parse_policies(HEADER_TEXT))
 SIDECAR_VERSION = parse_version(HEADER_TEXT)
+DEFINES = parse_defines(HEADER_TEXT)
+READ_IO = parse_enum(HEADER_TEXT, "empanel_read_io", "EMPANEL_READ_IO_")
 
 
 def policy_id(name):

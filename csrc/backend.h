@@ -1,0 +1,25 @@
+#pragma once
+
+// backend.c: pool tensors through ggml's public backend API (and libllama's struct sizes for
+// empanel_struct_size, the devices for empanel_offload_devices / empanel_unified_devices,
+// empanel_backend_slot_data: empanel.h)
+
+#include "empanel.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+// the memory of a pool in host memory of any layout (plain or CPU_REPACK), else NULL; slot s takes
+// bytes [s*nb[2], (s+1)*nb[2])
+void *  empanel_backend_host_data(void * pool_tensor);
+// host memory to stage reads bound for a device pool: pinned memory of its device (its host buffer
+// type), or plain memory where it has none; *buffer gets the backend buffer to release. NULL if
+// out of memory
+void *  empanel_backend_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer);
+void    empanel_backend_host_buffer_free(void * buffer);
+// give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
+// also zero the bytes of the partial pages at both ends
+void    empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges);
+// one expert's bytes as stored in the GGUF (nb[2] bytes) into slot `slot`: copied, repacked
+// (CPU_REPACK) or sent to the device; 0 on success
+int32_t empanel_backend_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);

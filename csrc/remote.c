@@ -1,0 +1,75 @@
+// Pools on RPC hosts (ggml-rpc with patch 0008): an expert's bytes go to the host by hash first.
+// The host's cache (rpc-server -c) may hold them from an earlier run or an earlier send; only
+// what it does not hold crosses the wire, and then with the cache flag so that it keeps them.
+// The wire itself (connections, hashes, commands) is rpc.c's.
+
+#include "remote.h"
+#include "backend.h"
+#include "layer.h"
+#include "rpc.h"
+#include "util.h"
+
+#include <stdlib.h>
+
+struct empanel_remote * empanel_remote_init(int32_t n_expert) {
+    struct empanel_remote * remote = calloc(1, sizeof(*remote));
+    if (remote == NULL) {
+        return NULL;
+    }
+    remote->cache = 1;
+    remote->hash  = calloc((size_t) n_expert, sizeof(uint64_t)); // [n_expert]
+    remote->sent  = calloc((size_t) n_expert, sizeof(uint8_t));  // [n_expert]
+    if (remote->hash == NULL || remote->sent == NULL) {
+        empanel_remote_free(remote);
+        return NULL;
+    }
+    return remote;
+}
+
+void empanel_remote_free(struct empanel_remote * remote) {
+    if (remote == NULL) {
+        return;
+    }
+    free(remote->hash);
+    free(remote->sent);
+    free(remote);
+}
+
+// staging -> a slot on an RPC host: by hash if the host's cache holds these bytes (from
+// an earlier run), else the bytes, for the host to keep; sent bytes count in copy_bytes. With
+// moe_verify the very bytes checked here are sent.
+int empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
+    struct empanel_tensor * t = job->tensor;
+    if (job->remote_hash != 0) { // taken when it landed (not with moe_verify)
+        t->remote->hash[job->expert] = job->remote_hash;
+        if (empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
+            layer->stats.remote_by_hash += 1;
+            return 0;
+        }
+    }
+    const int sent = t->remote->cache ? empanel_rpc_write_cached(t->pool, job->slot, job->dst, t->expert_size)
+                                     : empanel_backend_slot_write(t->pool, job->slot, job->dst, t->expert_size);
+    if (sent == 0) {
+        t->remote->sent[job->expert] |= t->remote->cache;
+        layer->stats.copy_bytes += t->expert_size;
+        return 0;
+    }
+    empanel_util_set_error(pool, "%s: writing expert %d into slot %d on its RPC host failed", t->name, job->expert, job->slot);
+    return -1;
+}
+
+// a miss on an RPC host's pool whose bytes the host may hold (sent before, or hashed at an
+// earlier read): 1 if the host wrote them into the slot from its cache, so nothing is read
+int empanel_remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot) {
+    if (t->remote == NULL || !t->remote->cache || t->remote->hash[expert] == 0) { // (never known with moe_verify)
+        return 0;
+    }
+    if (empanel_rpc_write_by_hash(t->pool, slot, t->remote->hash[expert])) {
+        layer->stats.remote_by_hash += 1;
+        return 1;
+    }
+    if (t->remote->sent[expert]) {
+        t->remote->cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
+    }
+    return 0;
+}

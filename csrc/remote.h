@@ -1,0 +1,28 @@
+#pragma once
+
+// remote.c: pools on RPC hosts: an expert's bytes go by hash first (the host's cache may hold
+// them), else with the cache flag so that the host keeps them
+
+#include "io.h"
+
+struct empanel_layer;
+struct empanel_pool;
+
+// what an RPC host's cache holds of one tensor's experts (struct empanel_tensor.remote; NULL
+// unless its pool is on an RPC host)
+struct empanel_remote {
+    int        cache;   // its host keeps what it is sent (rpc-server -c): 1 yes or not known yet, 0 no
+                        // (it refused a hash it was sent)
+    uint64_t * hash;    // [n_expert] FNV-1a of each expert's bytes as the host's cache names them,
+                        // 0: not known yet
+    uint8_t  * sent;    // [n_expert] 1: sent to the host with the cache flag by this process
+};
+
+// a tensor's remote state for n_expert experts (cache assumed), or NULL (out of memory)
+struct empanel_remote * empanel_remote_init(int32_t n_expert);
+void empanel_remote_free(struct empanel_remote * remote);
+// staging -> the slot of a landed job on an RPC host: by hash, else the bytes; 0, or -1 with the
+// error recorded
+int  empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job);
+// a miss the host may hold: 1 if it wrote expert's bytes into slot from its cache (nothing to read)
+int  empanel_remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot);

@@ -1,0 +1,123 @@
+#pragma once
+
+// The state of one model's pools (struct empanel_pool), by concern: what is fixed at init
+// (config), the first failure (error), the model files (files), the lanes of reads (lanes), the
+// reader, the host-RAM tier, g-lru, the trace and the failpoints. Each part names the unit that
+// changes it; pool.c makes and frees the whole.
+
+#include "io.h"
+#include "layer.h"
+
+// a file of the model (one per shard), as it was when the pool was made
+struct empanel_file {
+    char   * path;
+    int      fd;            // buffered reads, fstat
+    int      fd_direct;     // O_DIRECT reads, or -1
+    uint64_t size;          // bytes
+    int64_t  mtime_ns;
+    int64_t  ctime_ns;      // inode change time: no user can set it
+    int      watch;         // inotify watch descriptor, or -1
+};
+
+// the model files of a pool (files.c)
+struct empanel_files {
+    int32_t n;
+    struct empanel_file * list;   // [n]
+    int     watch_fd;             // inotify instance watching the files for writes, or -1
+    int32_t changed;              // a file seen changed (for good), or -1
+    char    changed_why[128];
+};
+
+// the host-RAM tier of device pools (host_cache.c): n_entries experts of entry_bytes each
+struct empanel_host_cache {
+    uint8_t  * raw;          // the allocation (pinned host memory where the device offers it)
+    void     * buffer;       // its backend buffer, or NULL (malloc)
+    uint8_t  * base;         // raw, aligned to EMPANEL_ALIGN
+    uint64_t   entry_bytes;  // one expert: every tiered tensor's O_DIRECT window
+    int32_t    n_entries;    // 0: no tier
+    int32_t  * layer_of;     // [n_entries] layer of the expert the entry is for, -1: none
+    int32_t  * expert_of;    // [n_entries]
+    uint8_t  * held;         // [n_entries] bit per tensor of the layer: its bytes are in the entry
+    uint64_t * batch;        // [n_entries] the read batch that last used the entry
+    int32_t  * prev;         // [n_entries] recency list, least recent first
+    int32_t  * next;         // [n_entries]
+    int32_t    lru_head;
+    int32_t    lru_tail;
+    int32_t  * entry_of;     // [n_layer * n_expert] entry of (layer, expert), -1: none
+};
+
+// g-lru (slots.c): every resident (layer, slot) in one list, least recently used first, and the
+// budget of resident bytes over all layers. Guarded by the pool's lock
+struct empanel_glru {
+    uint64_t  budget_bytes;
+    uint64_t  resident_bytes;
+    int32_t   n_entries;     // slots of all layers
+    int32_t * prev;          // [n_entries]
+    int32_t * next;          // [n_entries]
+    int32_t * entry_layer;   // [n_entries]
+    int32_t   head;          // least recent, -1 if empty
+    int32_t   tail;          // most recent
+};
+
+// the routing trace (trace.c, empanel_trace_enable): records [il, n_tokens, n_used, ids].
+// Guarded by the pool's lock
+struct empanel_trace {
+    int       on;
+    int32_t * records;       // [cap]
+    uint64_t  len;
+    uint64_t  cap;
+};
+
+// what is fixed once the pool is made (pool.c): read by any thread without the lock
+struct empanel_config {
+    int32_t   policy;       // enum empanel_policy
+    int       verify;       // every expert read is hashed and checked against its digest
+    int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read
+    int32_t   prefetch;     // paged layers ahead whose guessed misses are read
+    float     subst_ratio;  // routing substitution: a stand-in's share of the missing expert's score; 0: off
+};
+
+// the pool's first failure (util.c, empanel_util_set_error: any thread, the first failure wins;
+// pool.c's empanel_pool_clear_error forgets it)
+struct empanel_error {
+    atomic_int failed;         // 1: message holds the first failure (set once it is written)
+    atomic_int claimed;        // 1: a thread took the first failure and writes message
+    char       message[512];
+};
+
+// the lanes of reads (batch.c): the batch in flight in each and the staging they share
+struct empanel_lanes {
+    struct empanel_batch      batch[EMPANEL_N_LANES];
+    struct empanel_staging    staging;
+    uint64_t                  n_batches;   // batches posted so far: the host tier's batch stamp
+};
+
+// one per model (pool.c makes and frees it). `lock` guards every field and every layer, except:
+// error (atomics, util.c: any thread, the first failure wins), the reader's posted batch (its own
+// mutex, reader.c) and what is fixed after init (n_layer, n_expert, config, the files' descriptors)
+struct empanel_pool {
+    pthread_mutex_t lock;   // one remap, guess, ready or API call at a time
+    int32_t n_layer;
+    int32_t n_expert;
+    struct empanel_layer * layers; // [n_layer]
+
+    struct empanel_config     config;      // pool.c: fixed after init
+    struct empanel_files      files;       // files.c
+    struct empanel_reader     reader;      // reader.c
+    struct empanel_host_cache host_cache;  // host_cache.c
+    struct empanel_lanes      lanes;       // batch.c
+
+    // a read-ahead that found a layer's overlapped reads in flight and may not go beside them
+    // (empanel_batch_beside): posted once they are done (empanel_guess_post_deferred), dropped by
+    // the next remap (guess.c)
+    struct empanel_layer    * deferred_guess;  // its live guess (tables.distinct, guess.n) is read ahead
+
+    char notice[256];
+
+    uint64_t call;          // remap calls so far: the LRU clock
+
+    struct empanel_glru  glru;   // slots.c
+    struct empanel_trace trace;  // trace.c
+    struct empanel_error error;  // util.c
+    struct empanel_fault fault;  // reader.c
+};
