@@ -23,7 +23,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 14
+#define EMPANEL_SIDECAR_VERSION 15
 
 // the pool's read settings (struct empanel_pool_params): defaults and bounds, declared once here;
 // Python (empanel_gguf's option table) reads them from this header
@@ -258,6 +258,24 @@ EMPANEL_API uint64_t empanel_trace_size(struct empanel_pool * pool);
 
 // bytes of experts resident in all pools
 EMPANEL_API uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool);
+
+// g-lru pools: the budget of resident expert bytes over all layers, as it moved
+struct empanel_budget_stats {
+    uint64_t budget_bytes;     // now
+    uint64_t resident_bytes;   // experts' bytes in the slots now (above the budget only while the
+                               // layer computing now, or reads in flight, hold them)
+    uint64_t lowest_bytes;     // the lowest budget since the pool was made
+    uint64_t n_changes;        // budget changes
+    uint64_t given_back_bytes; // bytes of experts emptied while over the budget, pages returned
+};
+// move the budget (bytes > 0) of a g-lru pool while it runs: a lower one empties the least
+// recently used slots of any layer at once, their pages back to the kernel, but those the graph
+// may read now, which the next remaps empty before any read lands; a higher one admits experts
+// again as they are read. Outputs do not change. 0, or -1 with why in err (not g-lru, 0 bytes)
+EMPANEL_API int32_t empanel_pool_set_budget(struct empanel_pool * pool, uint64_t budget_bytes, char * err,
+                                            size_t err_size);
+// the budget's figures into out; 0, or -1 if the pool is not g-lru
+EMPANEL_API int32_t empanel_pool_budget(struct empanel_pool * pool, struct empanel_budget_stats * out);
 
 // the expert each slot of layer il holds (-1: empty) into expert_in [max]; returns the layer's
 // slots (0 for a layer that is not paged)

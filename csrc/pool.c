@@ -163,6 +163,7 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
 // g-lru: one list over the slots of every layer (made for every policy: it is small); 0 or -1
 static int pool_link_lru(struct empanel_pool * pool, uint64_t budget_bytes, char * err, size_t err_size) {
     pool->glru.budget_bytes = budget_bytes;
+    pool->glru.lowest_bytes = budget_bytes;
     pool->glru.head = pool->glru.tail = -1;
     for (int32_t il = 0; il < pool->n_layer; il++) {
         pool->layers[il].lru_base = pool->glru.n_entries;

@@ -107,6 +107,7 @@ static uint64_t start_batch(struct empanel_pool * pool, struct empanel_layer * l
         empanel_slots_reconcile(pool, layer);
     }
     const uint64_t call = ++pool->call;
+    pool->glru.busy_call = call; // its slots are the ones the graph reads until the next remap
     if (pool->trace.on && empanel_trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return 0;
     }

@@ -152,27 +152,51 @@ void empanel_slots_glru_push_recent(struct empanel_pool * pool, int32_t e) {
     pool->glru.tail = e;
 }
 
+// g-lru entry e leaves its slot: the tables forget it, the budget no longer counts it and its
+// pages go back to the kernel (host pools). Bytes freed while over the budget count as given back
+static void glru_evict(struct empanel_pool * pool, int32_t e) {
+    struct empanel_layer  * layer = &pool->layers[pool->glru.entry_layer[e]];
+    struct empanel_tables * tb    = &layer->tables;
+    const int32_t s = e - layer->lru_base;
+    empanel_slots_glru_unlink(pool, e);
+    tb->slot_of[tb->expert_in[s]] = -1;
+    tb->expert_in[s] = -1;
+    tb->last_use[s]  = 0; // empty: taken first by its layer
+    tb->uses[s]      = 0;
+    if (pool->glru.resident_bytes > pool->glru.budget_bytes) {
+        pool->glru.given_back_bytes += layer->expert_bytes;
+    }
+    pool->glru.resident_bytes -= layer->expert_bytes;
+    empanel_slots_drop_prefetch(layer, s);
+    empanel_slots_release(layer, s);
+}
+
 // evict least recently used experts of any layer (none that this call uses) until `need` more
 // bytes fit in the budget; the budget yields when only this call's experts are left
 void empanel_slots_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
     int32_t e = pool->glru.head;
     while (e >= 0 && pool->glru.resident_bytes + need > pool->glru.budget_bytes) {
         const int32_t next = pool->glru.next[e];
-        struct empanel_layer  * layer = &pool->layers[pool->glru.entry_layer[e]];
-        struct empanel_tables * tb    = &layer->tables;
-        const int32_t s = e - layer->lru_base;
-        if (tb->call_mark[s] != call) {
-            empanel_slots_glru_unlink(pool, e);
-            tb->slot_of[tb->expert_in[s]] = -1;
-            tb->expert_in[s] = -1;
-            tb->last_use[s]  = 0; // empty: taken first by its layer
-            tb->uses[s]      = 0;
-            pool->glru.resident_bytes -= layer->expert_bytes;
-            empanel_slots_drop_prefetch(layer, s);
-            empanel_slots_release(layer, s);
+        const struct empanel_layer * layer = &pool->layers[pool->glru.entry_layer[e]];
+        if (layer->tables.call_mark[e - layer->lru_base] != call) {
+            glru_evict(pool, e);
         }
         e = next;
     }
+}
+
+uint64_t empanel_slots_glru_shrink(struct empanel_pool * pool) {
+    const uint64_t before = pool->glru.resident_bytes;
+    int32_t e = pool->glru.head;
+    while (e >= 0 && pool->glru.resident_bytes > pool->glru.budget_bytes) {
+        const int32_t next = pool->glru.next[e];
+        const struct empanel_layer * layer = &pool->layers[pool->glru.entry_layer[e]];
+        if (!empanel_layer_open(layer) && layer->tables.call_mark[e - layer->lru_base] != pool->glru.busy_call) {
+            glru_evict(pool, e);
+        }
+        e = next;
+    }
+    return before - pool->glru.resident_bytes;
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -44,3 +44,7 @@ void    empanel_slots_glru_push_recent(struct empanel_pool * pool, int32_t e);
 // g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
 // bytes fit in the budget
 void    empanel_slots_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
+// g-lru: the budget went down: least recent experts of any layer go at once, down to it, but for
+// those of the layer computing now (glru.busy_call) and of layers whose plan, read-ahead or reads
+// are open (the remaps that follow evict those, make_room). Bytes emptied
+uint64_t empanel_slots_glru_shrink(struct empanel_pool * pool);

@@ -49,8 +49,12 @@ struct empanel_host_cache {
 // g-lru (slots.c): every resident (layer, slot) in one list, least recently used first, and the
 // budget of resident bytes over all layers. Guarded by the pool's lock
 struct empanel_glru {
-    uint64_t  budget_bytes;
+    uint64_t  budget_bytes;     // now (budget.c moves it at run time)
     uint64_t  resident_bytes;
+    uint64_t  lowest_bytes;     // the lowest budget since the pool was made
+    uint64_t  n_changes;        // budget changes (empanel_pool_set_budget)
+    uint64_t  given_back_bytes; // bytes of experts emptied while over the budget (their pages returned)
+    uint64_t  busy_call;        // the remap call of the layer computing now (remap.c): its slots stay
     int32_t   n_entries;     // slots of all layers
     int32_t * prev;          // [n_entries]
     int32_t * next;          // [n_entries]

@@ -21,6 +21,7 @@ from .planning.format import format_bytes
 from .planning.index import ModelError, load_index
 from .planning.options import OPTIONS, check_known, llama_args_doc, moe_options
 from .planning.plan import plan_load, print_notices, resolve_repack, stock_equivalent
+from .planning.sizing import parse_size
 from .engine.pools import ExpertPools, MoeReadError
 from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
@@ -185,7 +186,8 @@ class Llama(llama_cpp.Llama):
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
         "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit, and
-        "read_io": the read path taken ("threads" or "uring"); None without slot pools. With
+        "read_io": the read path taken ("threads" or "uring"), "budget": g-lru's live budget
+        (moe_set_budget; None for per-layer policies); None without slot pools. With
         rpc_servers the total also has wire_sent, wire_received (bytes this process exchanged with
         the RPC servers so far) and round_trips (commands it waited for an answer to)."""
         if self._experts is None:
@@ -194,10 +196,31 @@ class Llama(llama_cpp.Llama):
         options = self.moe_load.options if self.moe_load is not None else None
         stats["exact_to"] = stock_equivalent(self.moe_repack, options.subst if options is not None else None)
         stats["read_io"] = self._experts.read_io()
+        stats["budget"] = self._experts.budget()
         if self.rpc_servers:
             total = stats["total"]
             total["wire_sent"], total["wire_received"], total["round_trips"] = rpc_wire_counts()
         return stats
+
+    def moe_set_budget(self, budget):
+        """Move the memory the slot pools may hold while the model runs: a size ("4GiB") or bytes
+        for all layers' experts. A lower budget gives the least recently used experts' memory back
+        at once (those the running decode reads follow at the next layers' remaps); a higher one
+        lets experts be read in again as they are routed to. Outputs do not change. Needs
+        moe_policy="g-lru" (per-layer pools keep their slots); never below one layer's top-k
+        experts. moe_stats()["budget"] reports it."""
+        if self._experts is None:
+            raise ValueError("moe_set_budget: this model has no slot pools (moe_slots=None)")
+        size = budget if isinstance(budget, int) and not isinstance(budget, bool) else parse_size(str(budget))
+        if size is None or size <= 0:
+            raise ValueError(f"moe_set_budget({budget!r}): give a size (\"4GiB\") or a number of bytes")
+        index = self.moe_load.index
+        paged = [il for il, n in enumerate(self._experts.n_slots) if n > 0]
+        floor = max((index.n_expert_used * index.layer(il).expert_bytes for il in paged), default=0)
+        if size < floor:
+            raise ValueError(f"moe_set_budget({budget!r}): below the floor of {format_bytes(floor)}, the top-"
+                             f"{index.n_expert_used} experts of one layer, which every token needs at once")
+        self._experts.set_budget(size)
 
     def close(self):
         experts = getattr(self, "_experts", None)

@@ -113,6 +113,21 @@ class ExpertPools:
     def reset_stats(self):
         self.n.sidecar.empanel_stats_reset(self.pool)
 
+    def set_budget(self, budget_bytes):
+        """g-lru: move the budget of resident expert bytes over all layers (csrc/budget.c); a
+        lower one gives slots back at once. ValueError from the sidecar's reason."""
+        err = self.n.ffi.new("char[]", 256)
+        if self.n.sidecar.empanel_pool_set_budget(self.pool, int(budget_bytes), err, 256) != 0:
+            raise ValueError(f"moe_set_budget: {self.n.ffi.string(err).decode(errors='replace')}")
+
+    def budget(self):
+        """g-lru: {budget_bytes, resident_bytes, lowest_bytes, n_changes, given_back_bytes}; None
+        for per-layer policies (their pools are fixed)."""
+        out = self.n.ffi.new("struct empanel_budget_stats *")
+        if self.n.sidecar.empanel_pool_budget(self.pool, out) != 0:
+            return None
+        return {name: getattr(out, name) for name, _ in self.n.ffi.typeof(out[0]).fields}
+
     def slot_table(self, layer):
         """[n_slots] the expert each slot of the layer holds, -1 if empty."""
         return slot_table(self.n, self.pool, layer, self.n_slots[layer])
