@@ -27,7 +27,9 @@ PROMPT = b"ROMEO. What light is this?"
 
 def decode_hit_rate(model, moe_slots, n_tokens, **moe):
     """(hit rate of the decoded tokens, their hits, their misses, experts preloaded)."""
-    llm = Llama(str(model), moe_slots=moe_slots, n_ctx=256, n_threads=2, verbose=False, **moe)
+    # read-ahead off: which read-ahead lands before its layer comes (and so stays as a hit)
+    # depends on the drive's timing, which would blur a comparison of starts to a tenth of a point
+    llm = Llama(str(model), moe_slots=moe_slots, n_ctx=256, n_threads=2, verbose=False, moe_prefetch=0, **moe)
     try:
         llm.eval(llm.tokenize(PROMPT))
         before = llm.moe_stats()["total"]
