@@ -446,12 +446,10 @@ int empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
 }
 
 // read experts layer->tables.misses[0, n) into the claimed, empty slots layer->tables.victims[0, n) and make
-// them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
+// them resident; if a read fails the slots stay empty (their bytes leave the budget)
 int empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
     if (!pool->config.lab && empanel_batch_read(pool, layer, layer->tables.misses, layer->tables.victims, n) != 0) {
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-            pool->glru.resident_bytes -= (uint64_t) n * layer->expert_bytes;
-        }
+        pool->budget.resident_bytes -= (uint64_t) n * layer->expert_bytes;
         return -1;
     }
     empanel_slots_hold_misses(pool, layer, n);

@@ -55,7 +55,7 @@ static inline int empanel_batch_inflight(const struct empanel_pool * pool, int32
     return pool->lanes.batch[lane].inflight && (layer == NULL || pool->lanes.batch[lane].layer == layer);
 }
 // read experts tables.misses[0, n) into the claimed, empty slots tables.victims[0, n) and make
-// them resident; if a read fails the slots stay empty (g-lru: their bytes leave the budget)
+// them resident; if a read fails the slots stay empty (their bytes leave the budget)
 int      empanel_batch_fill_slots(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);
 // a read-ahead of this layer still in flight reads none of the guessed experts that the
 // micro-batch's expert ids [n_used, n_tokens] do not route to (empanel_batch_drop)

@@ -23,7 +23,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 15
+#define EMPANEL_SIDECAR_VERSION 16
 
 // the pool's read settings (struct empanel_pool_params): defaults and bounds, declared once here;
 // Python (empanel_gguf's option table) reads them from this header
@@ -35,7 +35,7 @@ extern "C" {
 #define EMPANEL_MAX_QUEUE_DEPTH      256        // params.queue_depth at most
 
 // the version of the plan file (empanel_gguf/planning/plan_file.py writes it, plan_file.c reads it)
-#define EMPANEL_PLAN_VERSION 1
+#define EMPANEL_PLAN_VERSION 2
 
 // one routed-expert tensor of one layer, as it lies in the GGUF file
 struct empanel_tensor_desc {
@@ -52,7 +52,8 @@ struct empanel_pool_params {
     uint32_t chunk_bytes;  // bytes per read request (default EMPANEL_DEFAULT_CHUNK_KB KiB; rounded to 4 KiB)
     int32_t  direct_io;    // 1: O_DIRECT (default), -1: buffered reads through the page cache
     int32_t  policy;       // enum empanel_policy
-    uint64_t budget_bytes; // EMPANEL_POLICY_GLRU: bytes of resident experts over all layers
+    uint64_t budget_bytes; // bytes of resident experts over all layers (g-lru's shared budget; the live
+                           // budget's start, empanel_pool_set_budget); 0: every slot (capacity)
     int32_t  prefetch;     // paged layers ahead whose guessed misses are read (empanel_guess); 0: guesses
                            // only order eviction
     float    subst_ratio;  // routing substitution (empanel_subst): a resident stand-in needs at least this
@@ -259,23 +260,60 @@ EMPANEL_API uint64_t empanel_trace_size(struct empanel_pool * pool);
 // bytes of experts resident in all pools
 EMPANEL_API uint64_t empanel_pool_resident_bytes(struct empanel_pool * pool);
 
-// g-lru pools: the budget of resident expert bytes over all layers, as it moved
+// the live budget of resident expert bytes over all layers (budget.c), and the controller that
+// moves it with the memory the machine has (pressure.c), as they moved
 struct empanel_budget_stats {
     uint64_t budget_bytes;     // now
+    uint64_t capacity_bytes;   // every slot full: the highest budget that means anything
+    uint64_t floor_bytes;      // the lowest budget taken: the top-k experts of every paged layer
     uint64_t resident_bytes;   // experts' bytes in the slots now (above the budget only while the
-                               // layer computing now, or reads in flight, hold them)
+                               // layer computing now, waves or reads in flight hold them)
     uint64_t lowest_bytes;     // the lowest budget since the pool was made
-    uint64_t n_changes;        // budget changes
+    uint64_t n_changes;        // budget changes (by the app or the controller)
     uint64_t given_back_bytes; // bytes of experts emptied while over the budget, pages returned
+    int32_t  elastic;          // 1: the controller moves the budget (empanel_pool_watch_memory)
+    int32_t  fixed;            // 1: this pool's budget cannot move (empanel_pool_set_budget says why)
+    uint64_t n_shrinks;        // the controller's moves down (the memory left fell below the reserve)
+    uint64_t n_grows;          // and up (memory free again)
+    uint64_t available_bytes;  // memory left as the controller last read it (UINT64_MAX: unknown)
+    uint64_t reserve_bytes;    // the memory it keeps free
+    double   last_shrink_ms;   // from reading low memory to the pages given back, last time
+    double   max_shrink_ms;    // and at most
 };
-// move the budget (bytes > 0) of a g-lru pool while it runs: a lower one empties the least
-// recently used slots of any layer at once, their pages back to the kernel, but those the graph
-// may read now, which the next remaps empty before any read lands; a higher one admits experts
-// again as they are read. Outputs do not change. 0, or -1 with why in err (not g-lru, 0 bytes)
+// move the budget while the pools run (bytes, clamped to [floor, capacity]): a lower one empties
+// the least recently used slots of any layer at once, their pages back to the kernel, but those
+// the graph may read now, which the next remaps empty before any read lands; a higher one admits
+// experts again as they are read. Outputs do not change. 0, or -1 with why in err (below the
+// floor; pools that cannot give memory back: pinned, or in device memory)
 EMPANEL_API int32_t empanel_pool_set_budget(struct empanel_pool * pool, uint64_t budget_bytes, char * err,
                                             size_t err_size);
-// the budget's figures into out; 0, or -1 if the pool is not g-lru
+// the budget's figures into out; 0
 EMPANEL_API int32_t empanel_pool_budget(struct empanel_pool * pool, struct empanel_budget_stats * out);
+
+// the controller (pressure.c): a thread that reads the memory the binding limits leave every
+// interval_ms and moves the budget: down at once when less than reserve_bytes is left (by what is
+// missing and half the reserve again), up slowly when more than 1.25 reserves would stay free (2 s
+// after the last move down, then at most every 0.5 s, to leave 1.125 reserves free). Sources, each
+// a file read whole at every poll (up to EMPANEL_MAX_MEMORY_SOURCES):
+//   limit_path, usage_path, stat_path + stat_key: a memory cgroup: left = limit - usage + the
+//     stat's key (page cache the kernel reclaims first); a limit of "max" or above 2^60: none
+//   available_path + available_key: a "Key: value [kB]" file (/proc/meminfo, MemAvailable)
+// Unused paths are NULL or "". The least any source leaves counts. 0, or -1 with why in err.
+#define EMPANEL_MAX_MEMORY_SOURCES 4
+struct empanel_memory_source {
+    const char * limit_path;
+    const char * usage_path;
+    const char * stat_path;
+    const char * stat_key;
+    const char * available_path;
+    const char * available_key;
+};
+EMPANEL_API int32_t empanel_pool_watch_memory(struct empanel_pool * pool, const struct empanel_memory_source * sources,
+                                              int32_t n_sources, uint64_t reserve_bytes, int32_t interval_ms,
+                                              char * err, size_t err_size);
+// the memory the sources leave now (bytes; UINT64_MAX: none could be read): what the controller
+// reads, for tests and the planner
+EMPANEL_API uint64_t empanel_memory_available(const struct empanel_memory_source * sources, int32_t n_sources);
 
 // the expert each slot of layer il holds (-1: empty) into expert_in [max]; returns the layer's
 // slots (0 for a layer that is not paged)

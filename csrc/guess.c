@@ -13,8 +13,8 @@
 #include <stdlib.h>
 
 // read ahead the guessed experts of a layer that are not resident, into the slots the policy
-// gives up (never a guessed expert's); g-lru takes only room the budget has, evicting no other
-// layer's expert (that layer may be computing). The tables say where the experts will be; the
+// gives up (never a guessed expert's); an empty slot only where the budget has room: a guess
+// evicts no other layer's expert. The tables say where the experts will be; the
 // layer's next remap drops the reads of those it does not route to and finishes the others.
 static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
     const uint64_t stamp = ++layer->tables.mark_stamp;
@@ -39,8 +39,8 @@ static void prefetch_guess(struct empanel_pool * pool, struct empanel_layer * la
             break; // staging for read-ahead stays bounded (32 MiB)
         }
         int32_t s = empanel_slots_pick_victim(layer, pool->config.policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
-        if (s >= 0 && pool->config.policy == EMPANEL_POLICY_GLRU && layer->tables.expert_in[s] < 0 &&
-            pool->glru.resident_bytes + layer->expert_bytes > pool->glru.budget_bytes) {
+        if (s >= 0 && layer->tables.expert_in[s] < 0 &&
+            pool->budget.resident_bytes + layer->expert_bytes > pool->budget.bytes) {
             // no room in the budget without evicting another layer's expert: the layer's own
             // occupied slots only
             for (int32_t t = 0; t < layer->n_slots; t++) {

@@ -21,6 +21,7 @@
 // The plan's records: plan_file.c. Of the sidecar's units only this one calls libllama.
 
 #include "load.h"
+#include "budget.h"
 #include "files.h"
 #include "host_cache.h"
 #include "metrics.h"
@@ -120,6 +121,29 @@ void empanel_load_begin(struct empanel_load * load) {
     }
 }
 
+// the controller started on the plan's memory sources (pools that cannot give memory back stay
+// as they are, saying so once); 0, or -1 with why in err
+static int load_watch_memory(struct empanel_load * load, char * err, size_t err_size) {
+    if (load->pool->budget.fixed_why != NULL) {
+        fprintf(stderr, "empanel: moe_elastic: the pools keep their memory: %s\n", load->pool->budget.fixed_why);
+        return 0;
+    }
+    struct empanel_memory_source sources[EMPANEL_MAX_MEMORY_SOURCES];
+    for (int32_t i = 0; i < load->plan.n_memory; i++) {
+        const struct empanel_plan_memory * m = &load->plan.memory[i];
+        sources[i] = (struct empanel_memory_source) {
+            .limit_path     = m->path[PLAN_MEMORY_LIMIT],
+            .usage_path     = m->path[PLAN_MEMORY_USAGE],
+            .stat_path      = m->path[PLAN_MEMORY_STAT],
+            .stat_key       = m->stat_key,
+            .available_path = m->path[PLAN_MEMORY_AVAILABLE],
+            .available_key  = m->available_key,
+        };
+    }
+    return empanel_pool_watch_memory(load->pool, sources, load->plan.n_memory, load->plan.reserve_bytes,
+                                     load->plan.interval_ms, err, err_size) == 0 ? 0 : -1;
+}
+
 int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model * model, char * err,
                           size_t err_size) {
     const int32_t n_pools = llama_empanel_n_pools(model);
@@ -182,7 +206,8 @@ int32_t empanel_load_bind(struct empanel_load * load, const struct llama_model *
             return -1;
         }
     }
-    return 0;
+    empanel_budget_settle(load->pool, load->plan.n_expert_used, load->plan.pinned);
+    return load->plan.elastic ? load_watch_memory(load, err, err_size) : 0;
 }
 
 int64_t empanel_load_preload(struct empanel_load * load, char * err, size_t err_size) {

@@ -5,6 +5,7 @@
 // and its labels read the same on either.
 
 #include "metrics.h"
+#include "budget.h"
 #include "rpc.h"
 #include "stats.h"
 #include "state.h"
@@ -13,6 +14,19 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <string.h>
+
+// the pool-level series of the live budget (struct empanel_budget_stats): X(field, type, metric, help)
+#define EMPANEL_BUDGET_SERIES(X) \
+    X(budget_bytes,     gauge,   "budget_bytes",                 "The live budget of resident expert bytes over all layers.") \
+    X(capacity_bytes,   gauge,   "budget_capacity_bytes",        "Expert bytes with every slot full: the highest budget.") \
+    X(floor_bytes,      gauge,   "budget_floor_bytes",           "The lowest budget taken: the top-k experts of every MoE layer.") \
+    X(resident_bytes,   gauge,   "resident_bytes",               "Expert bytes in the slots now.") \
+    X(lowest_bytes,     gauge,   "budget_lowest_bytes",          "The lowest budget since the load.") \
+    X(n_changes,        counter, "budget_changes_total",         "Budget moves, by the app or the controller.") \
+    X(given_back_bytes, counter, "budget_given_back_bytes_total", "Expert bytes emptied over the budget, pages returned to the kernel.") \
+    X(n_shrinks,        counter, "budget_shrinks_total",         "The controller's moves down (memory left below its reserve).") \
+    X(n_grows,          counter, "budget_grows_total",           "The controller's moves up (memory free again).") \
+    X(elastic,          gauge,   "budget_elastic",               "1 if the controller moves the budget with the memory left (moe_elastic).")
 
 void empanel_metrics_write_json(FILE * out, struct empanel_pool * pool, double seconds, int32_t n_masked,
                                 int32_t n_expert_used) {
@@ -39,7 +53,16 @@ void empanel_metrics_write_json(FILE * out, struct empanel_pool * pool, double s
         fprintf(out, "}");
         first = 0;
     }
-    fprintf(out, "}}\n");
+    struct empanel_budget_stats b;
+    empanel_pool_budget(pool, &b);
+    fprintf(out, "}, \"budget\": {");
+    const char * sep = "";
+#define WRITE_BUDGET(field, type, metric, help) \
+    fprintf(out, "%s\"" #field "\": %" PRIu64, sep, (uint64_t) b.field); \
+    sep = ", ";
+    EMPANEL_BUDGET_SERIES(WRITE_BUDGET)
+#undef WRITE_BUDGET
+    fprintf(out, ", \"max_shrink_ms\": %.3f}}\n", b.max_shrink_ms);
 }
 
 // -- Prometheus text ------------------------------------------------------------------------------
@@ -129,6 +152,18 @@ void empanel_metrics_families(struct empanel_text * t, struct empanel_pool * con
             }
         }
     }
+    // the budget's series, one per model
+#define BUDGET_FAMILY(field, type, metric, help) \
+    empanel_metrics_add(t, "# HELP empanel_" metric " " help "\n# TYPE empanel_" metric " " #type "\n"); \
+    for (int32_t p = 0; p < n; p++) { \
+        struct empanel_budget_stats b; \
+        empanel_pool_budget(pools[p], &b); \
+        empanel_metrics_add(t, "empanel_" metric "{model=\""); \
+        add_label(t, models[p]); \
+        empanel_metrics_add(t, "\"} %" PRIu64 "\n", (uint64_t) b.field); \
+    }
+    EMPANEL_BUDGET_SERIES(BUDGET_FAMILY)
+#undef BUDGET_FAMILY
 }
 
 size_t empanel_metrics_layers(struct empanel_pool * const * pools, const char * const * models, int32_t n,

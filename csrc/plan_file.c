@@ -3,7 +3,7 @@
 // the Python process. Both then go through load.c.
 //
 // One record per line, fields separated by one space, a path always last (it may hold spaces).
-// Every record is required except pin, host-cache, io, order, digests and stats (and tensor when no layer is paged:
+// Every record is required except pin, host-cache, io, elastic, memory, order, digests and stats (and tensor when no layer is paged:
 // a load that only traces routing), and `end` closes it (a truncated plan is refused).
 //
 //   empanel-plan <version>
@@ -24,6 +24,11 @@
 //   tensor <layer> <file> <offset> <expert_size> <name>
 //   order <layer> <n> <expert>... <n_uses: 0 or n> <uses>...
 //   digests <name> <n_expert> <hex digest>...
+//   elastic <reserve_bytes> <interval_ms>         optional: the controller moves the budget with the
+//                                                 memory left (pressure.c); absent: it stays
+//   memory <source> <role> <key|-> <path>         optional: a file the controller reads; source
+//                                                 0..3, role limit|usage|stat|available (stat and
+//                                                 available name the key read in the file)
 //   stats <path>                                  JSON lines, one object per load, at its end
 //   end
 
@@ -377,6 +382,43 @@ static enum record_result parse_digests(struct plan_reader * r, struct empanel_p
     return RECORD_FIXED;
 }
 
+// elastic RESERVE INTERVAL_MS
+static enum record_result parse_elastic(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    plan->elastic = 1;
+    return field_u64(r, &plan->reserve_bytes, 10) != 0 || field_i32(r, &plan->interval_ms, 1, 60000) != 0
+           ? RECORD_BAD : RECORD_FIXED;
+}
+
+// memory SOURCE ROLE KEY PATH
+static enum record_result parse_memory(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
+    static const char * roles[PLAN_MEMORY_ROLES] = { "limit", "usage", "stat", "available" };
+    int32_t source = 0;
+    if (field_i32(r, &source, 0, EMPANEL_MAX_MEMORY_SOURCES - 1) != 0) {
+        return RECORD_BAD;
+    }
+    const char * role = next_field(r);
+    int k = 0;
+    while (role != NULL && k < PLAN_MEMORY_ROLES && strcmp(role, roles[k]) != 0) {
+        k++;
+    }
+    const char * key = k < PLAN_MEMORY_ROLES ? next_field(r) : NULL;
+    if (key == NULL || *r->pos == '\0') {
+        return RECORD_BAD;
+    }
+    struct empanel_plan_memory * m = &plan->memory[source];
+    if (k == PLAN_MEMORY_STAT) {
+        snprintf(m->stat_key, sizeof(m->stat_key), "%s", key);
+    } else if (k == PLAN_MEMORY_AVAILABLE) {
+        snprintf(m->available_key, sizeof(m->available_key), "%s", key);
+    }
+    free(m->path[k]);
+    if ((m->path[k] = strdup(rest_of_line(r))) == NULL) {
+        return RECORD_OOM;
+    }
+    plan->n_memory = source + 1 > plan->n_memory ? source + 1 : plan->n_memory;
+    return RECORD_LINE;
+}
+
 typedef enum record_result (*record_parser)(struct plan_reader * r, struct empanel_plan * plan, char * err,
                                              size_t err_size);
 
@@ -399,6 +441,8 @@ static const struct {
     { "pin",        parse_pin,        0,            0 },
     { "host-cache", parse_host_cache, 0,            0 },
     { "io",         parse_io,         0,            0 },
+    { "elastic",    parse_elastic,    0,            0 },
+    { "memory",     parse_memory,     0,            0 },
     { "slots",      parse_slots,      PLAN_SLOTS,   1 },
     { "tensor",     parse_tensor,     PLAN_TENSOR,  1 },
     { "order",      parse_order,      0,            1 },
@@ -471,6 +515,11 @@ void empanel_plan_free(struct empanel_plan * plan) {
     }
     free(plan->digests);
     free(plan->n_slots);
+    for (int32_t i = 0; i < EMPANEL_MAX_MEMORY_SOURCES; i++) {
+        for (int k = 0; k < PLAN_MEMORY_ROLES; k++) {
+            free(plan->memory[i].path[k]);
+        }
+    }
     memset(plan, 0, sizeof(*plan));
 }
 
@@ -528,6 +577,10 @@ static int plan_parse(FILE * f, const char * source, const char * model_path, st
                                     source, il, plan->n_slots[il], plan->n_expert_used);
             goto done;
         }
+    }
+    if (plan->elastic && plan->n_memory == 0) {
+        empanel_util_format_err(err, err_size, "%s: 'elastic' without a 'memory' record to watch", source);
+        goto done;
     }
     if (plan->pinned && !plan->preload) {
         empanel_util_format_err(err, err_size, "%s: 'pin 1' needs 'preload 1' (pinned pools hold expert e in slot e "

@@ -19,6 +19,15 @@ struct empanel_plan_digests {
     uint64_t * digests;  // [n]
 };
 
+// one source of the memory left, as the controller reads it (pressure.c): the files of a memory
+// cgroup, or a meminfo-style file (struct empanel_memory_source)
+enum empanel_plan_memory_role { PLAN_MEMORY_LIMIT, PLAN_MEMORY_USAGE, PLAN_MEMORY_STAT, PLAN_MEMORY_AVAILABLE, PLAN_MEMORY_ROLES };
+struct empanel_plan_memory {
+    char * path[PLAN_MEMORY_ROLES];  // strdup'd, NULL: not read
+    char   stat_key[64];
+    char   available_key[64];
+};
+
 struct empanel_plan {
     char     model[PATH_MAX];       // real path of the first shard
     char     stats_path[PATH_MAX];  // where each load's counters go ("": nowhere)
@@ -42,6 +51,11 @@ struct empanel_plan {
     struct empanel_plan_digests * digests;      // [n_digests]
     int32_t                       n_digests;
     struct empanel_pool_params    params;
+    int       elastic;                          // the controller moves the budget (pressure.c)
+    uint64_t  reserve_bytes;                    // the memory it keeps free
+    int32_t   interval_ms;                      // how often it reads the memory left
+    struct empanel_plan_memory    memory[EMPANEL_MAX_MEMORY_SOURCES];
+    int32_t                       n_memory;     // sources named
     int       seen;                             // records read (plan_file.c's enum plan_record)
 };
 

@@ -10,6 +10,7 @@
 #include "batch.h"
 #include "files.h"
 #include "host_cache.h"
+#include "pressure.h"
 #include "reader.h"
 #include "remote.h"
 #include "rpc.h"
@@ -124,6 +125,7 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     atomic_init(&pool->error.failed, 0);
     atomic_init(&pool->error.claimed, 0);
     atomic_init(&pool->fault.n_requests, 0);
+    atomic_init(&pool->pressure.available_bytes, UINT64_MAX);
     const char * fault = getenv("EMPANEL_FAULT_READ_AFTER");
     pool->fault.after = fault != NULL ? atoll(fault) : 0;
     const char * fault_count = getenv("EMPANEL_FAULT_READ_COUNT");
@@ -160,25 +162,28 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     return pool;
 }
 
-// g-lru: one list over the slots of every layer (made for every policy: it is small); 0 or -1
+// the recency list over the slots of every layer and the budget: budget_bytes, or the capacity
+// (every slot full) where 0 or more; 0 or -1
 static int pool_link_lru(struct empanel_pool * pool, uint64_t budget_bytes, char * err, size_t err_size) {
-    pool->glru.budget_bytes = budget_bytes;
-    pool->glru.lowest_bytes = budget_bytes;
-    pool->glru.head = pool->glru.tail = -1;
+    pool->budget.head = pool->budget.tail = -1;
     for (int32_t il = 0; il < pool->n_layer; il++) {
-        pool->layers[il].lru_base = pool->glru.n_entries;
-        pool->glru.n_entries += pool->layers[il].n_slots;
+        pool->layers[il].lru_base = pool->budget.n_entries;
+        pool->budget.n_entries += pool->layers[il].n_slots;
+        pool->budget.capacity_bytes += (uint64_t) pool->layers[il].n_slots * pool->layers[il].expert_bytes;
     }
-    pool->glru.prev    = malloc(sizeof(int32_t) * (pool->glru.n_entries + 1));
-    pool->glru.next    = malloc(sizeof(int32_t) * (pool->glru.n_entries + 1));
-    pool->glru.entry_layer = malloc(sizeof(int32_t) * (pool->glru.n_entries + 1));
-    if (!pool->glru.prev || !pool->glru.next || !pool->glru.entry_layer) {
+    pool->budget.bytes = budget_bytes > 0 && budget_bytes < pool->budget.capacity_bytes ? budget_bytes
+                                                                                      : pool->budget.capacity_bytes;
+    pool->budget.lowest_bytes = pool->budget.bytes;
+    pool->budget.prev    = malloc(sizeof(int32_t) * (pool->budget.n_entries + 1));
+    pool->budget.next    = malloc(sizeof(int32_t) * (pool->budget.n_entries + 1));
+    pool->budget.entry_layer = malloc(sizeof(int32_t) * (pool->budget.n_entries + 1));
+    if (!pool->budget.prev || !pool->budget.next || !pool->budget.entry_layer) {
         empanel_util_format_err(err, err_size, "empanel_pool_init: out of memory");
         return -1;
     }
     for (int32_t il = 0; il < pool->n_layer; il++) {
         for (int32_t s = 0; s < pool->layers[il].n_slots; s++) {
-            pool->glru.entry_layer[pool->layers[il].lru_base + s] = il;
+            pool->budget.entry_layer[pool->layers[il].lru_base + s] = il;
         }
     }
     return 0;
@@ -291,6 +296,7 @@ void empanel_pool_free(struct empanel_pool * pool) {
     if (pool == NULL) {
         return;
     }
+    empanel_pressure_stop(pool); // no budget moves from here on
     if (pool->reader.pool != NULL) {
         empanel_batch_finish(pool); // no reads may land after this
     }
@@ -311,9 +317,9 @@ void empanel_pool_free(struct empanel_pool * pool) {
     }
     empanel_host_cache_free(pool);
     free(pool->trace.records);
-    free(pool->glru.prev);
-    free(pool->glru.next);
-    free(pool->glru.entry_layer);
+    free(pool->budget.prev);
+    free(pool->budget.next);
+    free(pool->budget.entry_layer);
     pthread_mutex_destroy(&pool->lock);
     free(pool);
 }

@@ -42,12 +42,10 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
         if (e < 0) {
             break;
         }
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-            if (pool->glru.resident_bytes + layer->expert_bytes > pool->glru.budget_bytes) {
-                break; // the budget is full: no eviction for a guess
-            }
-            pool->glru.resident_bytes += layer->expert_bytes;
+        if (pool->budget.resident_bytes + layer->expert_bytes > pool->budget.bytes) {
+            break; // the budget is full: no eviction for a guess
         }
+        pool->budget.resident_bytes += layer->expert_bytes;
         empanel_slots_note_use(layer, s, call);
         layer->tables.uses[s]       = uses > 0 ? uses : 1;
         layer->tables.miss_mark[e]  = call; // taken: not chosen twice
@@ -65,16 +63,15 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
     if (n > 0 && empanel_batch_fill_slots(pool, layer, n) != 0) {
         return -1;
     }
-    if (pool->config.policy == EMPANEL_POLICY_GLRU) { // the shared list in the same order, least recent first
-        for (int32_t i = 0; i < n; i++) {
-            layer->tables.order_key[i] = (layer->tables.last_use[layer->tables.victims[i]] - call) << 32 | (uint32_t) layer->tables.victims[i];
-        }
-        qsort(layer->tables.order_key, (size_t) n, sizeof(uint64_t), empanel_util_compare_uint64);
-        for (int32_t i = 0; i < n; i++) {
-            const int32_t e = layer->lru_base + (int32_t) (layer->tables.order_key[i] & 0xffffffffu);
-            empanel_slots_glru_unlink(pool, e);
-            empanel_slots_glru_push_recent(pool, e);
-        }
+    // the recency list of all layers in the same order, least recent first
+    for (int32_t i = 0; i < n; i++) {
+        layer->tables.order_key[i] = (layer->tables.last_use[layer->tables.victims[i]] - call) << 32 | (uint32_t) layer->tables.victims[i];
+    }
+    qsort(layer->tables.order_key, (size_t) n, sizeof(uint64_t), empanel_util_compare_uint64);
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = layer->lru_base + (int32_t) (layer->tables.order_key[i] & 0xffffffffu);
+        empanel_slots_recent_unlink(pool, e);
+        empanel_slots_recent_push(pool, e);
     }
     layer->stats.preloaded += (uint64_t) n;
     return n;
@@ -121,14 +118,16 @@ int64_t empanel_preload(struct empanel_pool * pool) {
     if (atomic_load(&pool->error.failed) || empanel_batch_finish(pool) != 0 || empanel_files_check(pool) != 0) {
         n_read = -1;
     }
-    // g-lru: each layer its even share of the budget, not the first layers all of it
+    // a budget below the pools' capacity (g-lru's, or one moved lower): each layer its even share
+    // of it, not the first layers all of it
+    const int shared = pool->budget.bytes < pool->budget.capacity_bytes;
     uint64_t per_layer_bytes = 0;
-    if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+    if (shared) {
         int32_t n_paged = 0;
         for (int32_t il = 0; il < pool->n_layer; il++) {
             n_paged += pool->layers[il].n_slots > 0 && !pool->layers[il].observe;
         }
-        per_layer_bytes = n_paged > 0 ? pool->glru.budget_bytes / (uint64_t) n_paged : 0;
+        per_layer_bytes = n_paged > 0 ? pool->budget.bytes / (uint64_t) n_paged : 0;
     }
     for (int32_t il = 0; il < pool->n_layer && n_read >= 0; il++) {
         struct empanel_layer * layer = &pool->layers[il];
@@ -136,7 +135,7 @@ int64_t empanel_preload(struct empanel_pool * pool) {
             continue;
         }
         int32_t max_fill = layer->n_slots;
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
+        if (shared) {
             const uint64_t share = per_layer_bytes / layer->expert_bytes;
             max_fill = share < (uint64_t) max_fill ? (int32_t) share : max_fill;
         }

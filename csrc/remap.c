@@ -53,9 +53,7 @@ static int fill_slots_overlapped(struct empanel_pool * pool, struct empanel_laye
         order[layer->ready.rank[i]] = i; // ranks 0 .. n_tensors - 1: every tensor's call was seen
     }
     if (empanel_batch_post_layer(pool, layer, layer->tables.misses, layer->tables.victims, n, order) != 0) {
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-            pool->glru.resident_bytes -= (uint64_t) n * layer->expert_bytes;
-        }
+        pool->budget.resident_bytes -= (uint64_t) n * layer->expert_bytes;
         return -1;
     }
     empanel_slots_hold_misses(pool, layer, n);
@@ -107,7 +105,10 @@ static uint64_t start_batch(struct empanel_pool * pool, struct empanel_layer * l
         empanel_slots_reconcile(pool, layer);
     }
     const uint64_t call = ++pool->call;
-    pool->glru.busy_call = call; // its slots are the ones the graph reads until the next remap
+    pool->budget.busy_call = call; // its slots are the ones the graph reads until the next remap
+    if (pool->budget.resident_bytes > pool->budget.bytes) {
+        empanel_slots_shrink(pool); // what a shrink had to leave (busy then) goes now
+    }
     if (pool->trace.on && empanel_trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return 0;
     }

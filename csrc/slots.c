@@ -1,6 +1,6 @@
 // The slot tables of a layer: which expert each slot holds, which slot to evict (LRU, LFU with
-// decay, g-lru's one recency list over every layer), claiming and placing, and the accounting of
-// guesses and read-ahead that the tables carry. No I/O: the remap (remap.c), the read-ahead
+// decay, g-lru), the recency list over every layer that g-lru and the live budget evict from,
+// claiming and placing, and the accounting of guesses and read-ahead that the tables carry. No I/O: the remap (remap.c), the read-ahead
 // (guess.c), preload (preload.c), the read batches (batch.c) and the policy lab all change the
 // tables through these functions.
 //
@@ -70,19 +70,15 @@ void empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_layer 
     for (int32_t i = 0; i < n; i++) {
         tb->expert_in[tb->victims[i]] = tb->misses[i];
         tb->slot_of[tb->misses[i]]    = tb->victims[i];
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-            empanel_slots_glru_push_recent(pool, layer->lru_base + tb->victims[i]);
-        }
+        empanel_slots_recent_push(pool, layer->lru_base + tb->victims[i]);
     }
 }
 
 void empanel_slots_use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
     empanel_slots_note_use(layer, s, call);
     layer->stats.hits++;
-    if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-        empanel_slots_glru_unlink(pool, layer->lru_base + s);
-        empanel_slots_glru_push_recent(pool, layer->lru_base + s);
-    }
+    empanel_slots_recent_unlink(pool, layer->lru_base + s);
+    empanel_slots_recent_push(pool, layer->lru_base + s);
 }
 
 void empanel_slots_claim(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
@@ -91,12 +87,10 @@ void empanel_slots_claim(struct empanel_pool * pool, struct empanel_layer * laye
     if (tb->expert_in[s] >= 0) {
         // the layer's own expert goes (its bytes stay counted for the one that comes)
         tb->slot_of[tb->expert_in[s]] = -1;
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-            empanel_slots_glru_unlink(pool, layer->lru_base + s);
-        }
-    } else if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-        empanel_slots_glru_make_room(pool, layer->expert_bytes, call);
-        pool->glru.resident_bytes += layer->expert_bytes;
+        empanel_slots_recent_unlink(pool, layer->lru_base + s);
+    } else {
+        empanel_slots_make_room(pool, layer->expert_bytes, call);
+        pool->budget.resident_bytes += layer->expert_bytes;
     }
     tb->expert_in[s] = -1;
     tb->uses[s]      = 0;
@@ -108,9 +102,7 @@ void empanel_slots_place(struct empanel_pool * pool, struct empanel_layer * laye
     empanel_slots_claim(pool, layer, s, call);
     tb->expert_in[s] = e;
     tb->slot_of[e]   = s;
-    if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-        empanel_slots_glru_push_recent(pool, layer->lru_base + s);
-    }
+    empanel_slots_recent_push(pool, layer->lru_base + s);
 }
 
 void empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n) {
@@ -136,67 +128,79 @@ void empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// g-lru list
+// the recency list of all layers and the budget
 
-void empanel_slots_glru_unlink(struct empanel_pool * pool, int32_t e) {
-    const int32_t prev = pool->glru.prev[e];
-    const int32_t next = pool->glru.next[e];
-    if (prev >= 0) { pool->glru.next[prev] = next; } else { pool->glru.head = next; }
-    if (next >= 0) { pool->glru.prev[next] = prev; } else { pool->glru.tail = prev; }
+void empanel_slots_recent_unlink(struct empanel_pool * pool, int32_t e) {
+    const int32_t prev = pool->budget.prev[e];
+    const int32_t next = pool->budget.next[e];
+    if (prev >= 0) { pool->budget.next[prev] = next; } else { pool->budget.head = next; }
+    if (next >= 0) { pool->budget.prev[next] = prev; } else { pool->budget.tail = prev; }
 }
 
-void empanel_slots_glru_push_recent(struct empanel_pool * pool, int32_t e) {
-    pool->glru.prev[e] = pool->glru.tail;
-    pool->glru.next[e] = -1;
-    if (pool->glru.tail >= 0) { pool->glru.next[pool->glru.tail] = e; } else { pool->glru.head = e; }
-    pool->glru.tail = e;
+void empanel_slots_recent_push(struct empanel_pool * pool, int32_t e) {
+    pool->budget.prev[e] = pool->budget.tail;
+    pool->budget.next[e] = -1;
+    if (pool->budget.tail >= 0) { pool->budget.next[pool->budget.tail] = e; } else { pool->budget.head = e; }
+    pool->budget.tail = e;
 }
 
-// g-lru entry e leaves its slot: the tables forget it, the budget no longer counts it and its
-// pages go back to the kernel (host pools). Bytes freed while over the budget count as given back
-static void glru_evict(struct empanel_pool * pool, int32_t e) {
-    struct empanel_layer  * layer = &pool->layers[pool->glru.entry_layer[e]];
+// entry e may leave its slot now: not a slot of `keep` (the call claiming room) nor of the layer
+// computing now (busy_call), not in a layer whose waves still run (its plan counts on its slots)
+// or with reads in flight (they would land in the released pages)
+static int evictable(const struct empanel_pool * pool, int32_t e, uint64_t keep) {
+    const struct empanel_layer * layer = &pool->layers[pool->budget.entry_layer[e]];
+    const uint64_t mark = layer->tables.call_mark[e - layer->lru_base];
+    if (mark == keep || mark == pool->budget.busy_call || layer->waves.open) {
+        return 0;
+    }
+    for (int32_t lane = 0; lane < EMPANEL_N_LANES; lane++) {
+        if (pool->lanes.batch[lane].inflight && pool->lanes.batch[lane].layer == layer) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+// entry e leaves its slot: the tables forget it, the budget no longer counts it and its pages go
+// back to the kernel (host pools). Bytes freed while over the budget count as given back
+static void evict(struct empanel_pool * pool, int32_t e) {
+    struct empanel_layer  * layer = &pool->layers[pool->budget.entry_layer[e]];
     struct empanel_tables * tb    = &layer->tables;
     const int32_t s = e - layer->lru_base;
-    empanel_slots_glru_unlink(pool, e);
+    empanel_slots_recent_unlink(pool, e);
     tb->slot_of[tb->expert_in[s]] = -1;
     tb->expert_in[s] = -1;
     tb->last_use[s]  = 0; // empty: taken first by its layer
     tb->uses[s]      = 0;
-    if (pool->glru.resident_bytes > pool->glru.budget_bytes) {
-        pool->glru.given_back_bytes += layer->expert_bytes;
+    if (pool->budget.resident_bytes > pool->budget.bytes) {
+        pool->budget.given_back_bytes += layer->expert_bytes;
     }
-    pool->glru.resident_bytes -= layer->expert_bytes;
+    pool->budget.resident_bytes -= layer->expert_bytes;
     empanel_slots_drop_prefetch(layer, s);
     empanel_slots_release(layer, s);
 }
 
-// evict least recently used experts of any layer (none that this call uses) until `need` more
-// bytes fit in the budget; the budget yields when only this call's experts are left
-void empanel_slots_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
-    int32_t e = pool->glru.head;
-    while (e >= 0 && pool->glru.resident_bytes + need > pool->glru.budget_bytes) {
-        const int32_t next = pool->glru.next[e];
-        const struct empanel_layer * layer = &pool->layers[pool->glru.entry_layer[e]];
-        if (layer->tables.call_mark[e - layer->lru_base] != call) {
-            glru_evict(pool, e);
+// evict least recent experts of any layer that may leave (evictable) until `need` more bytes fit
+// in the budget; the budget yields where none may. Bytes emptied
+static uint64_t fit_budget(struct empanel_pool * pool, uint64_t need, uint64_t keep) {
+    const uint64_t before = pool->budget.resident_bytes;
+    int32_t e = pool->budget.head;
+    while (e >= 0 && pool->budget.resident_bytes + need > pool->budget.bytes) {
+        const int32_t next = pool->budget.next[e];
+        if (evictable(pool, e, keep)) {
+            evict(pool, e);
         }
         e = next;
     }
+    return before - pool->budget.resident_bytes;
 }
 
-uint64_t empanel_slots_glru_shrink(struct empanel_pool * pool) {
-    const uint64_t before = pool->glru.resident_bytes;
-    int32_t e = pool->glru.head;
-    while (e >= 0 && pool->glru.resident_bytes > pool->glru.budget_bytes) {
-        const int32_t next = pool->glru.next[e];
-        const struct empanel_layer * layer = &pool->layers[pool->glru.entry_layer[e]];
-        if (!empanel_layer_open(layer) && layer->tables.call_mark[e - layer->lru_base] != pool->glru.busy_call) {
-            glru_evict(pool, e);
-        }
-        e = next;
-    }
-    return before - pool->glru.resident_bytes;
+void empanel_slots_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call) {
+    fit_budget(pool, need, call);
+}
+
+uint64_t empanel_slots_shrink(struct empanel_pool * pool) {
+    return fit_budget(pool, 0, pool->budget.busy_call);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -245,11 +249,9 @@ void empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * 
         tb->uses[s]      = 0;
         tb->last_use[s]  = 0;
         empanel_slots_drop_prefetch(layer, s);
-        if (pool->config.policy == EMPANEL_POLICY_GLRU) {
-            empanel_slots_glru_unlink(pool, layer->lru_base + s);
-            pool->glru.resident_bytes -= layer->expert_bytes;
-            empanel_slots_release(layer, s); // the budget no longer counts it: neither does memory
-        }
+        empanel_slots_recent_unlink(pool, layer->lru_base + s);
+        pool->budget.resident_bytes -= layer->expert_bytes;
+        empanel_slots_release(layer, s); // the budget no longer counts it: neither does memory
     }
     layer->waves.open        = 0;
     layer->guess.prefetch_open = 0;

@@ -1,7 +1,7 @@
 #pragma once
 
-// slots.c: the slot tables of a layer (struct empanel_tables, layer.h) and g-lru's list over all
-// layers (struct empanel_glru, state.h): victims, hits, claims, reconciling with what the slots
+// slots.c: the slot tables of a layer (struct empanel_tables, layer.h) and the recency list over
+// all layers that g-lru and the budget evict from (struct empanel_budget, state.h): victims, hits, claims, reconciling with what the slots
 // hold. No I/O; remap.c, guess.c, preload.c and batch.c change the tables only through it.
 
 #include <stdint.h>
@@ -16,8 +16,8 @@ int32_t empanel_slots_pick_victim(const struct empanel_layer * layer, int32_t po
 void    empanel_slots_note_use(struct empanel_layer * layer, int32_t s, uint64_t call);
 // a hit: the expert in slot s stays where it is, and is used by `call`
 void    empanel_slots_use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call);
-// claim slot s for an expert that comes: its expert leaves (g-lru: an empty slot takes room in
-// the budget from the least recent expert of any layer)
+// claim slot s for an expert that comes: its expert leaves (an empty slot takes room in the
+// budget from the least recent expert of any layer, where the budget is full)
 void    empanel_slots_claim(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call);
 // expert e takes slot s (claimed for `call`): the tables say it is there from now on, its bytes
 // come with the reads that follow
@@ -38,13 +38,14 @@ void    empanel_slots_close_guess(struct empanel_layer * layer, int32_t n, uint6
 // a plan, read-ahead or overlapped reads that did not run to their end (a failure, an aborted
 // graph): slots whose tensors do not all hold the expert the tables say are emptied
 void    empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * layer);
-// g-lru: take expert entry e out of the recency list / put it at the recent end
-void    empanel_slots_glru_unlink(struct empanel_pool * pool, int32_t e);
-void    empanel_slots_glru_push_recent(struct empanel_pool * pool, int32_t e);
-// g-lru: evict least recent experts of any layer (none that call `call` uses) until `need` more
-// bytes fit in the budget
-void    empanel_slots_glru_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
-// g-lru: the budget went down: least recent experts of any layer go at once, down to it, but for
-// those of the layer computing now (glru.busy_call) and of layers whose plan, read-ahead or reads
-// are open (the remaps that follow evict those, make_room). Bytes emptied
-uint64_t empanel_slots_glru_shrink(struct empanel_pool * pool);
+// take entry e (layer->lru_base + slot) out of the recency list / put it at the recent end
+void    empanel_slots_recent_unlink(struct empanel_pool * pool, int32_t e);
+void    empanel_slots_recent_push(struct empanel_pool * pool, int32_t e);
+// evict least recent experts of any layer (none that call `call` or the layer computing now
+// uses, none of a layer whose waves run or whose reads are in flight) until `need` more bytes fit
+// in the budget; the budget yields where none may go
+void    empanel_slots_make_room(struct empanel_pool * pool, uint64_t need, uint64_t call);
+// the budget went down: least recent experts of any layer go at once, down to it, but for those
+// make_room keeps (the layer computing now, waves running, reads in flight: the remaps that
+// follow take those back). Bytes emptied
+uint64_t empanel_slots_shrink(struct empanel_pool * pool);

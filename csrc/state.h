@@ -2,7 +2,7 @@
 
 // The state of one model's pools (struct empanel_pool), by concern: what is fixed at init
 // (config), the first failure (error), the model files (files), the lanes of reads (lanes), the
-// reader, the host-RAM tier, g-lru, the trace and the failpoints. Each part names the unit that
+// reader, the host-RAM tier, the budget, the trace and the failpoints. Each part names the unit that
 // changes it; pool.c makes and frees the whole.
 
 #include "io.h"
@@ -46,21 +46,39 @@ struct empanel_host_cache {
     int32_t  * entry_of;     // [n_layer * n_expert] entry of (layer, expert), -1: none
 };
 
-// g-lru (slots.c): every resident (layer, slot) in one list, least recently used first, and the
-// budget of resident bytes over all layers. Guarded by the pool's lock
-struct empanel_glru {
-    uint64_t  budget_bytes;     // now (budget.c moves it at run time)
+// the resident experts of all layers (slots.c) and their live budget (budget.c moves it, the
+// controller of pressure.c among others): every resident (layer, slot) in one recency list, least
+// recently used first. g-lru evicts from it on every miss; the per-layer policies only when the
+// budget is below the pools' capacity (their slots), then the least recent expert of any layer
+// goes. Guarded by the pool's lock
+struct empanel_budget {
+    uint64_t  bytes;            // the budget now: resident expert bytes over all layers
+    uint64_t  capacity_bytes;   // every slot of every layer full (the most a budget means)
+    uint64_t  floor_bytes;      // the least budget taken (empanel_pool_set_budget refuses less)
     uint64_t  resident_bytes;
     uint64_t  lowest_bytes;     // the lowest budget since the pool was made
     uint64_t  n_changes;        // budget changes (empanel_pool_set_budget)
     uint64_t  given_back_bytes; // bytes of experts emptied while over the budget (their pages returned)
     uint64_t  busy_call;        // the remap call of the layer computing now (remap.c): its slots stay
+    const char * fixed_why;     // why this pool's budget cannot move (NULL: it can)
     int32_t   n_entries;     // slots of all layers
     int32_t * prev;          // [n_entries]
     int32_t * next;          // [n_entries]
     int32_t * entry_layer;   // [n_entries]
     int32_t   head;          // least recent, -1 if empty
     int32_t   tail;          // most recent
+};
+
+// the controller that moves the budget with the memory left (pressure.c: its thread writes the
+// figures under the pool's lock, available_bytes at every poll)
+struct empanel_pressure {
+    struct empanel_watch * watch;  // the thread and its sources (pressure.c), NULL: not elastic
+    uint64_t    reserve_bytes;     // memory kept free
+    atomic_ullong available_bytes; // as last read (UINT64_MAX: unknown)
+    uint64_t    n_shrinks;
+    uint64_t    n_grows;
+    double      last_shrink_ms;    // from reading low memory to the pages given back
+    double      max_shrink_ms;
 };
 
 // the routing trace (trace.c, empanel_trace_enable): records [il, n_tokens, n_used, ids].
@@ -120,7 +138,8 @@ struct empanel_pool {
 
     uint64_t call;          // remap calls so far: the LRU clock
 
-    struct empanel_glru  glru;   // slots.c
+    struct empanel_budget budget;  // slots.c, budget.c
+    struct empanel_pressure pressure; // pressure.c
     struct empanel_trace trace;  // trace.c
     struct empanel_error error;  // util.c
     struct empanel_fault fault;  // reader.c

@@ -186,8 +186,8 @@ class Llama(llama_cpp.Llama):
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
         "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit, and
-        "read_io": the read path taken ("threads" or "uring"), "budget": g-lru's live budget
-        (moe_set_budget; None for per-layer policies); None without slot pools. With
+        "read_io": the read path taken ("threads" or "uring"), "budget": the live budget and its
+        controller (moe_set_budget, moe_elastic); None without slot pools. With
         rpc_servers the total also has wire_sent, wire_received (bytes this process exchanged with
         the RPC servers so far) and round_trips (commands it waited for an answer to)."""
         if self._experts is None:
@@ -206,20 +206,16 @@ class Llama(llama_cpp.Llama):
         """Move the memory the slot pools may hold while the model runs: a size ("4GiB") or bytes
         for all layers' experts. A lower budget gives the least recently used experts' memory back
         at once (those the running decode reads follow at the next layers' remaps); a higher one
-        lets experts be read in again as they are routed to. Outputs do not change. Needs
-        moe_policy="g-lru" (per-layer pools keep their slots); never below one layer's top-k
-        experts. moe_stats()["budget"] reports it."""
+        lets experts be read in again as they are routed to, up to the pools' capacity (their
+        slots). Outputs do not change. Refused below the floor (the top-k experts of every MoE
+        layer) and for pools that cannot give memory back (in device memory, or holding every
+        expert in place). With moe_elastic the controller moves it too. moe_stats()["budget"]
+        reports it."""
         if self._experts is None:
             raise ValueError("moe_set_budget: this model has no slot pools (moe_slots=None)")
         size = budget if isinstance(budget, int) and not isinstance(budget, bool) else parse_size(str(budget))
         if size is None or size <= 0:
             raise ValueError(f"moe_set_budget({budget!r}): give a size (\"4GiB\") or a number of bytes")
-        index = self.moe_load.index
-        paged = [il for il, n in enumerate(self._experts.n_slots) if n > 0]
-        floor = max((index.n_expert_used * index.layer(il).expert_bytes for il in paged), default=0)
-        if size < floor:
-            raise ValueError(f"moe_set_budget({budget!r}): below the floor of {format_bytes(floor)}, the top-"
-                             f"{index.n_expert_used} experts of one layer, which every token needs at once")
         self._experts.set_budget(size)
 
     def close(self):

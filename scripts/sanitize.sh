@@ -28,7 +28,8 @@ esac
 # 1 minute under ASan and 3.5 under TSan on 2 cores; .ci/run prints the times)
 TESTS=(
     tests/test_pool.py          # reads, waves, overlap, read-ahead and its drops, host tier, g-lru
-    tests/test_budget.py        # g-lru's live budget moved mid-decode: exact, pages given back
+    tests/test_budget.py        # the live budget moved mid-decode and mid-prompt: exact
+    tests/test_pressure.py      # the controller's thread moving it with the memory left
     tests/test_slots_guard.py   # failing reads, files changed under us (both read paths)
     tests/test_read_io.py       # the reader threads and io_uring: exact, short reads, fallback
     tests/test_threads.py       # two contexts on one model on two threads; loads in threads

@@ -1,9 +1,12 @@
-"""A live budget (csrc/budget.c, Llama.moe_set_budget): g-lru pools give memory back and take it
-again while the model runs, and the logits stay bit-identical to stock throughout."""
+"""A live budget (csrc/budget.c, Llama.moe_set_budget) under every policy: the pools give memory
+back and take it again while the model runs, and the logits stay bit-identical to stock
+throughout, in a decode and in a prompt's waves."""
 
 import os
+import random
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -30,22 +33,33 @@ def decode(llm, steps):
     return np.array(llm.scores[: llm.n_tokens], copy=True), seen
 
 
-def floor_bytes(index):
-    return max(index.n_expert_used * layer.expert_bytes for layer in index.layers)
+def stock_logits(path, exact_to, steps=None, tokens=None, **kwargs):
+    """Stock llama.cpp in the layout the pools name: decode(steps) or the logits of `tokens`."""
+    stock = Llama(str(path), logits_all=True, verbose=False, moe_repack=exact_to != "llama.cpp --no-repack",
+                  **kwargs)
+    try:
+        if tokens is not None:
+            stock.eval(tokens)
+            return np.array(stock.scores[: stock.n_tokens], copy=True)
+        return decode(stock, steps)[0]
+    finally:
+        stock.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3moe-q4_0", "qwen3moe-q8_0"])
-def test_budget_moves_mid_decode_exactly(tmp_path, name):
+@pytest.mark.parametrize("name,policy", [("qwen3moe-q4_0", "lfu-decay"), ("qwen3moe-q8_0", "lru"),
+                                         ("qwen3moe-q8_0", "g-lru")])
+def test_budget_moves_mid_decode_exactly(tmp_path, name, policy):
     """Shrink to the floor in the middle of a decode, then grow back: the memory held follows the
     budget at once, and every logit equals stock's in the layout the run names."""
     path = fixtures.write_fixture(name, tmp_path)
     index = load_index(path)
-    floor = floor_bytes(index)
     llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, moe_slots=index.n_expert // 2,
-                moe_policy="g-lru")
+                moe_policy=policy)
     try:
-        planned = llm.moe_stats()["budget"]["budget_bytes"]
-        assert planned > 2 * floor
+        start = llm.moe_stats()["budget"]
+        floor, planned = start["floor_bytes"], start["budget_bytes"]
+        assert floor == sum(index.n_expert_used * layer.expert_bytes for layer in index.layers)
+        assert planned >= 2 * floor and not start["fixed"] and not start["elastic"]
         logits, seen = decode(llm, [(None, 6), (floor, 6), (planned, 6)])
         stats = llm.moe_stats()
     finally:
@@ -55,34 +69,69 @@ def test_budget_moves_mid_decode_exactly(tmp_path, name):
     assert shrunk["given_back_bytes"] > 0 and shrunk["lowest_bytes"] == floor
     assert grown["budget_bytes"] == planned and stats["budget"]["n_changes"] == 2
     assert stats["budget"]["resident_bytes"] > floor                               # taken again as read
-    stock = Llama(str(path), n_ctx=256, logits_all=True, verbose=False,
-                  moe_repack=stats["exact_to"] != "llama.cpp --no-repack")
+    assert np.array_equal(logits, stock_logits(path, stats["exact_to"], [(None, 18)], n_ctx=256))
+
+
+def test_budget_moves_during_a_prompt_exactly(tmp_path):
+    """A thread moves the budget at random, floor to capacity, while a long prompt runs in
+    micro-batches of 16 tokens that route to more experts than the slots (waves): every logit
+    equals stock's, whatever the budget was at each remap."""
+    path = fixtures.write_fixture("qwen3moe-q8_0", tmp_path)
+    index = load_index(path)
+    llm = Llama(str(path), n_ctx=512, n_batch=256, n_ubatch=16, logits_all=True, verbose=False,
+                moe_slots=index.n_expert_used + 2)
+    tokens = [(13 * t + 5) % 250 + 1 for t in range(200)]
+    stop = threading.Event()
+    moves = []
+
+    def move():
+        budget = llm.moe_stats()["budget"]
+        rng = random.Random(7)
+        while not stop.is_set():
+            size = rng.randint(budget["floor_bytes"], budget["capacity_bytes"])
+            llm.moe_set_budget(size)
+            moves.append(size)
+            stop.wait(0.002)
+
+    mover = threading.Thread(target=move)
     try:
-        expected, _ = decode(stock, [(None, 18)])
+        mover.start()
+        llm.eval(tokens)
+        stop.set()
+        mover.join()
+        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+        stats = llm.moe_stats()
     finally:
-        stock.close()
+        stop.set()
+        llm.close()
+    assert len(moves) > 10 and stats["budget"]["n_changes"] >= 10 and stats["total"]["n_waves"] > stats["total"]["n_remaps"]
+    expected = stock_logits(path, stats["exact_to"], tokens=tokens, n_ctx=512, n_batch=256, n_ubatch=16)
     assert np.array_equal(logits, expected)
 
 
 def test_budget_is_refused_where_it_cannot_hold(tmp_path):
     path = fixtures.write_fixture("qwen3moe-q8_0", tmp_path)
     index = load_index(path)
-    llm = Llama(str(path), n_ctx=64, verbose=False, moe_slots=index.n_expert // 2, moe_policy="lru")
+    llm = Llama(str(path), n_ctx=64, verbose=False, moe_slots=index.n_expert // 2)
     try:
-        with pytest.raises(ValueError, match="g-lru"):
-            llm.moe_set_budget(10 * floor_bytes(index))
-        assert llm.moe_stats()["budget"] is None
-    finally:
-        llm.close()
-    llm = Llama(str(path), n_ctx=64, verbose=False, moe_slots=index.n_expert // 2, moe_policy="g-lru")
-    try:
+        floor = llm.moe_stats()["budget"]["floor_bytes"]
         with pytest.raises(ValueError, match="below the floor"):
-            llm.moe_set_budget(floor_bytes(index) - 1)
+            llm.moe_set_budget(floor - 1)
         with pytest.raises(ValueError, match="give a size"):
             llm.moe_set_budget("lots")
-        llm.moe_set_budget(f"{floor_bytes(index)}")  # bytes as text: a size too
+        llm.moe_set_budget(f"{floor}")  # bytes as text: a size too
+        llm.moe_set_budget("1TiB")      # above the capacity: every slot
+        budget = llm.moe_stats()["budget"]
+        assert budget["budget_bytes"] == budget["capacity_bytes"]
     finally:
         llm.close()
+    pinned = Llama(str(path), n_ctx=64, verbose=False, moe_slots=index.n_expert, moe_elastic=True)
+    try:
+        assert pinned.moe_stats()["budget"]["fixed"] and not pinned.moe_stats()["budget"]["elastic"]
+        with pytest.raises(ValueError, match="cannot give memory back: pinned"):
+            pinned.moe_set_budget("1MiB")
+    finally:
+        pinned.close()
     stock = Llama(str(path), n_ctx=64, verbose=False)
     try:
         with pytest.raises(ValueError, match="no slot pools"):
@@ -96,7 +145,7 @@ import sys
 from empanel_gguf import Llama
 from empanel_gguf.models import fixtures
 path = fixtures.write_fixture("qwen3moe-rss", sys.argv[1])
-llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots=64, moe_policy="g-lru")
+llm = Llama(str(path), n_ctx=128, verbose=False, moe_slots=64)
 def rss():
     return int([l for l in open("/proc/self/status") if l.startswith("RssAnon")][0].split()[1]) * 1024
 for t in range(60):
@@ -113,7 +162,7 @@ def test_budget_gives_pages_back(tmp_path):
     anonymous memory falls by about the bytes the budget let go (pages of partly used slots
     aside)."""
     index = load_index(fixtures.write_fixture("qwen3moe-rss", tmp_path))
-    floor = floor_bytes(index)
+    floor = sum(index.n_expert_used * layer.expert_bytes for layer in index.layers)
     proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), str(floor)], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     line = [text for text in proc.stdout.splitlines() if text.startswith("RSSANON")]

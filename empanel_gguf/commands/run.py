@@ -173,6 +173,13 @@ def format_report(name, index, plan, stats, timings, rss):
             lines.append(f"  rpc       {format_bytes(t['wire_sent'])} sent, {format_bytes(t['wire_received'])} "
                          f"received, {t['round_trips']} round trips; {format_bytes(t['copy_bytes'])} of experts "
                          f"sent, {t['remote_by_hash']} expert tensors written by the hosts from their caches")
+        budget = stats.get("budget")
+        if budget and (budget["elastic"] or budget["n_changes"]):
+            lines.append(f"  budget    {format_bytes(budget['budget_bytes'])} of {format_bytes(budget['capacity_bytes'])}"
+                         f" (lowest {format_bytes(budget['lowest_bytes'])}, {budget['n_changes']} moves, "
+                         f"{format_bytes(budget['given_back_bytes'])} given back"
+                         + (f"; elastic: {budget['n_shrinks']} down, {budget['n_grows']} up, "
+                            f"{format_bytes(budget['reserve_bytes'])} kept free)" if budget["elastic"] else ")"))
         if t.get("substituted"):
             lines.append(f"  subst     {t['substituted']} routed experts stood in for (outputs approximate)")
         if t.get("preloaded"):
@@ -324,7 +331,8 @@ def main(argv=None):
         return 1
 
     llm.prompt_progress = PromptProgress()  # prompts that take over a second show progress
-    guard = Watchdog(load.floor)  # the generation loops stop when it trips
+    # the generation loops stop when it trips (not while elastic pools can still give memory back)
+    guard = Watchdog(load.floor, budget_fn=lambda: (llm.moe_stats() or {}).get("budget"))
     stopped = False
     timings = Timings(llm)
     try:

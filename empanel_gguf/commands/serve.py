@@ -165,7 +165,12 @@ def main(argv=None):
     def on_low(available, floor):
         http.should_exit = True
 
-    guard = Watchdog(proxy.floor or 0, on_low)
+    def budget():
+        llm = proxy.current()[1]
+        stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
+        return (stats or {}).get("budget")
+
+    guard = Watchdog(proxy.floor or 0, on_low, budget_fn=budget)
     scheme = "https" if server_settings.ssl_certfile else "http"
     print(f"empanel: serving {proxy.current()[0]} on {scheme}://{server_settings.host}:"
           f"{server_settings.port} (OpenAI API under /v1; stats: /v1/empanel/stats, /metrics)",

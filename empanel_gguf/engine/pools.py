@@ -114,19 +114,35 @@ class ExpertPools:
         self.n.sidecar.empanel_stats_reset(self.pool)
 
     def set_budget(self, budget_bytes):
-        """g-lru: move the budget of resident expert bytes over all layers (csrc/budget.c); a
-        lower one gives slots back at once. ValueError from the sidecar's reason."""
+        """Move the live budget of resident expert bytes over all layers (csrc/budget.c); a lower
+        one gives slots back at once. ValueError from the sidecar's reason (below the floor,
+        pools that cannot give memory back)."""
         err = self.n.ffi.new("char[]", 256)
         if self.n.sidecar.empanel_pool_set_budget(self.pool, int(budget_bytes), err, 256) != 0:
             raise ValueError(f"moe_set_budget: {self.n.ffi.string(err).decode(errors='replace')}")
 
+    def watch_memory(self, sources, reserve_bytes, interval_ms=20):
+        """Start the controller (csrc/pressure.c) on `sources` (host_memory.memory_sources()'s
+        form), keeping reserve_bytes free; the plan does this for moe_elastic loads. ValueError
+        from the sidecar's reason."""
+        structs, keep = memory_sources_c(self.n, sources)
+        err = self.n.ffi.new("char[]", 256)
+        if self.n.sidecar.empanel_pool_watch_memory(self.pool, structs, len(sources), int(reserve_bytes),
+                                                    int(interval_ms), err, 256) != 0:
+            raise ValueError(f"moe_elastic: {self.n.ffi.string(err).decode(errors='replace')}")
+
     def budget(self):
-        """g-lru: {budget_bytes, resident_bytes, lowest_bytes, n_changes, given_back_bytes}; None
-        for per-layer policies (their pools are fixed)."""
+        """The live budget and its controller: struct empanel_budget_stats as a dict
+        (budget_bytes, capacity_bytes, floor_bytes, resident_bytes, lowest_bytes, n_changes,
+        given_back_bytes, elastic, fixed, n_shrinks, n_grows, available_bytes (None: unknown),
+        reserve_bytes, last_shrink_ms, max_shrink_ms)."""
         out = self.n.ffi.new("struct empanel_budget_stats *")
-        if self.n.sidecar.empanel_pool_budget(self.pool, out) != 0:
-            return None
-        return {name: getattr(out, name) for name, _ in self.n.ffi.typeof(out[0]).fields}
+        self.n.sidecar.empanel_pool_budget(self.pool, out)
+        figures = {name: getattr(out, name) for name, _ in self.n.ffi.typeof(out[0]).fields}
+        figures["elastic"], figures["fixed"] = bool(figures["elastic"]), bool(figures["fixed"])
+        if figures["available_bytes"] == (1 << 64) - 1:
+            figures["available_bytes"] = None
+        return figures
 
     def slot_table(self, layer):
         """[n_slots] the expert each slot of the layer holds, -1 if empty."""
@@ -252,3 +268,27 @@ def prometheus_label(value):
     n = native()
     raw = str(value).encode()
     return _sidecar_text(lambda buf, size: n.sidecar.empanel_metrics_label(raw, buf, size))
+
+
+def memory_sources_c(n, sources):
+    """host_memory.memory_sources()'s dicts as a cffi array of struct empanel_memory_source, and
+    the strings it points to (keep them alive while it is used)."""
+    structs = n.ffi.new("struct empanel_memory_source[]", max(1, len(sources)))
+    keep = []
+    fields = {"limit": "limit_path", "usage": "usage_path", "stat": "stat_path", "stat_key": "stat_key",
+              "available": "available_path", "available_key": "available_key"}
+    for i, source in enumerate(sources):
+        for key, field in fields.items():
+            if source.get(key):
+                keep.append(n.ffi.new("char[]", str(source[key]).encode()))
+                setattr(structs[i], field, keep[-1])
+    return structs, keep
+
+
+def memory_available(sources):
+    """The memory `sources` leave as the sidecar's controller reads it (bytes; None: none could be
+    read)."""
+    n = native()
+    structs, keep = memory_sources_c(n, sources)
+    left = n.sidecar.empanel_memory_available(structs, len(sources))
+    return None if left == (1 << 64) - 1 else left

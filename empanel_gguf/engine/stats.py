@@ -66,7 +66,18 @@ def summary_line(stats):
             + (f", {t['host_hits']} expert tensors ({t['host_bytes'] / 2**20:.1f} MiB) from the host tier"
                if t["host_hits"] else "")
             + (f", {t['wire_sent'] / 2**20:.1f} MiB sent to RPC hosts ({t['copy_bytes'] / 2**20:.1f} MiB of experts)"
-               if "wire_sent" in t else ""))
+               if "wire_sent" in t else "")
+            + budget_words(stats.get("budget")))
+
+
+def budget_words(budget):
+    """The live budget's part of the summary: where it moved ("" where it never did)."""
+    if not budget or not budget.get("n_changes"):
+        return ""
+    return (f"; budget {budget['budget_bytes'] / 2**20:.0f} MiB of {budget['capacity_bytes'] / 2**20:.0f} "
+            f"(lowest {budget['lowest_bytes'] / 2**20:.0f} MiB, {budget['n_changes']} moves"
+            + (f", {budget['n_shrinks']} down and {budget['n_grows']} up for the memory left" if budget.get("elastic") else "")
+            + f", {budget['given_back_bytes'] / 2**20:.0f} MiB given back)")
 
 
 def read_stats_file(path):
@@ -84,6 +95,7 @@ def read_stats_file(path):
                                     record.get("masked_pools", 0), record.get("n_expert_used", 0))
                 stats["seconds"] = record.get("seconds", 0.0)
                 stats["read_io"] = record.get("read_io", "threads")
+                stats["budget"] = record.get("budget")
                 if record.get("wire_sent") or record.get("wire_received"):  # --rpc
                     stats["total"]["wire_sent"] = record["wire_sent"]
                     stats["total"]["wire_received"] = record["wire_received"]

@@ -100,11 +100,15 @@ def _size_arg(n):
 
 class Watchdog:
     """Calls on_low(available, floor) once, from its own thread, when the available memory falls
-    below `floor`. `tripped` tells the main loop to stop; stop() ends the thread."""
+    below `floor`. `tripped` tells the main loop to stop; stop() ends the thread. budget_fn: the
+    pools' moe_stats()["budget"] (or None): elastic pools that can still give memory back keep
+    the run going, their controller shrinks them (csrc/pressure.c); it stops once their budget is
+    at its floor and less than half their reserve is left."""
 
-    def __init__(self, floor, on_low=None, *, interval=0.5, available_fn=available_memory):
+    def __init__(self, floor, on_low=None, *, interval=0.5, available_fn=available_memory, budget_fn=None):
         self.floor = floor
         self.on_low = on_low
+        self.budget_fn = budget_fn
         self.interval = interval
         self.available_fn = available_fn
         self.tripped = threading.Event()
@@ -125,7 +129,7 @@ class Watchdog:
                 available = self.available_fn()
             except Exception:
                 available = None
-            if available is not None and available < self.floor:
+            if available is not None and available < self.floor and not self._gives_back(available):
                 self.available_at_trip = available
                 self.tripped.set()
                 if self.on_low is not None:
@@ -133,6 +137,15 @@ class Watchdog:
                 return
             if self._stop.wait(self.interval):
                 return
+
+    def _gives_back(self, available):
+        try:
+            budget = self.budget_fn() if self.budget_fn is not None else None
+        except Exception:
+            budget = None
+        if not budget or not budget.get("elastic"):
+            return False
+        return budget["budget_bytes"] > budget["floor_bytes"] or available >= budget["reserve_bytes"] // 2
 
     def message(self):
         return (f"empanel: stopping: available memory fell to {format_bytes(self.available_at_trip)}, "

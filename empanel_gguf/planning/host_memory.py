@@ -38,11 +38,11 @@ def stat_value(path, key):
     return None
 
 
-def meminfo():
-    """{key: bytes} from /proc/meminfo, {} where there is none."""
+def meminfo(path="/proc/meminfo"):
+    """{key: bytes} from /proc/meminfo (lines "Key: value [kB]"), {} where there is none."""
     out = {}
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 key, _, rest = line.partition(":")
                 parts = rest.split()
@@ -87,21 +87,47 @@ def _cgroup_dirs():
 _NO_LIMIT = 1 << 60  # cgroup v1 writes 9223372036854771712 for "no limit"
 
 
+def memory_sources(proc="/proc/meminfo"):
+    """Where the memory left is read, the one definition of it: the files of every memory cgroup
+    around us (v2: memory.max, memory.current, memory.stat's inactive_file; v1:
+    memory.limit_in_bytes, memory.usage_in_bytes, memory.stat's total_inactive_file: page cache the
+    kernel reclaims first counts as free), then /proc/meminfo's MemAvailable. Each a dict of
+    limit/usage/stat paths and stat_key, or available/available_key. The planner reads them
+    (source_left); the sidecar's controller reads the same files while the model runs (plan
+    records `memory`, csrc/pressure.c: the same arithmetic)."""
+    out = []
+    for version, d in _cgroup_dirs():
+        files = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        limit = read_int(d / files[0])  # "max" -> None
+        if limit is None or limit >= _NO_LIMIT or not (d / files[1]).exists():
+            continue
+        out.append({"limit": str(d / files[0]), "usage": str(d / files[1]), "stat": str(d / "memory.stat"),
+                    "stat_key": files[2]})
+    if os.path.exists(proc):
+        out.append({"available": proc, "available_key": "MemAvailable"})
+    return out
+
+
+def source_left(source):
+    """Bytes a source (memory_sources) leaves, None if it has no limit or cannot be read."""
+    if "available" in source:
+        return meminfo(source["available"]).get(source["available_key"])
+    limit, usage = read_int(source["limit"]), read_int(source["usage"])
+    if limit is None or usage is None or limit >= _NO_LIMIT:
+        return None
+    reclaimable = (stat_value(source["stat"], source["stat_key"]) if source.get("stat") else None) or 0
+    return max(0, limit - max(0, usage - reclaimable))
+
+
 def _cgroup_limits():
     """[(limit, usage excluding inactive page cache)] of every limited memory cgroup around us."""
     out = []
-    for version, d in _cgroup_dirs():
-        if version == 2:
-            limit = read_int(d / "memory.max")  # "max" -> None
-            usage = read_int(d / "memory.current")
-            inactive = stat_value(d / "memory.stat", "inactive_file") or 0
-        else:
-            limit = read_int(d / "memory.limit_in_bytes")
-            usage = read_int(d / "memory.usage_in_bytes")
-            inactive = stat_value(d / "memory.stat", "total_inactive_file") or 0
-        if limit is None or usage is None or limit >= _NO_LIMIT:
-            continue
-        out.append((limit, max(0, usage - inactive)))
+    for source in memory_sources():
+        left = source_left(source) if "limit" in source else None
+        if left is not None:
+            limit = read_int(source["limit"])
+            out.append((limit, limit - left))
     return out
 
 

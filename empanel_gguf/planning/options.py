@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 from ..abi.header import ENGINE_POLICIES, READ_IO, define
 from ..abi.pins import READ_ALIGN
-from .sizing import DEFAULT_POLICY
+from .sizing import DEFAULT_POLICY, parse_size
 
 READ_THREADS = define("EMPANEL_DEFAULT_READ_THREADS")  # reader threads besides the decoding thread
 MAX_READ_THREADS = define("EMPANEL_MAX_READ_THREADS")
@@ -108,6 +108,15 @@ def _subst(value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
         raise ValueError("a ratio in (0, 1] (0.5: a stand-in needs half the missing expert's score), or None")
     return value
+
+
+def _budget(value):
+    if value is None:
+        return None
+    size = value if _is_int(value) else parse_size(str(value))
+    if size is None or size <= 0:
+        raise ValueError('a size ("4GiB") or bytes of resident experts over all layers, or None')
+    return size
 
 
 def _repack(value):
@@ -268,6 +277,22 @@ OPTIONS = (
                 "page (plain pools: reads land in the slots, nothing is repacked; faster there); on: stock's "
                 "defaults always; off: as llama.cpp's --no-repack always. The report names the stock command "
                 "the outputs equal"),
+    Option("elastic", None, parse=auto_bool, metavar="auto|on|off", show_default="auto",
+           doc="pools that give memory back: a controller in the sidecar watches the memory limit that binds "
+               "(the memory cgroup, else MemAvailable) and lowers the live budget of resident experts at once "
+               "when another program needs memory, raising it again slowly when memory is free; outputs do "
+               'not change. None: on where moe_slots is "auto" and the pools page in host memory; True: for '
+               "any moe_slots; False: the pools keep their memory. Pools in device memory (a GPU) and pools "
+               'that hold every expert in place never give back. moe_stats()["budget"] reports it.',
+           help="pools that give memory back when another program needs it and take it again when it is free "
+                "(outputs unchanged); auto: with --moe-slots auto on host pools"),
+    Option("budget", None, metavar="SIZE", check=_budget, server=Optional[str],
+           doc='the live budget at load: bytes (or a size, "4GiB") of resident experts over all layers, below '
+               "the pools' capacity (their slots); Llama.moe_set_budget moves it while the model runs, and "
+               "moe_elastic moves it with the memory left. None: the capacity (g-lru: its shared budget). "
+               "Never below the top-k experts of every MoE layer.",
+           help="the live budget of resident experts at load (e.g. 4GiB), below the pools' capacity; "
+                "moe_elastic moves it with the memory left"),
     Option("host_cache", None, metavar="SIZE",
            doc='a host-RAM tier for pools in device memory (layers offloaded to a GPU), as a size ("16GiB") '
                "or bytes: experts the pools read stay in host memory (pinned where the backend offers it), "

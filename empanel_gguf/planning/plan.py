@@ -17,6 +17,7 @@ Pure Python: it reads the model's header and our cache files, and loads no libra
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..abi.header import READ_IO, policy_id
 from .estimate import Estimate, estimate, model_shape, unified_devices, waves_may_be_masked
 from .format import format_bytes
 from .guard import check, max_slots_that_fit
-from .host_memory import available_memory, default_floor
+from .host_memory import available_memory, default_floor, memory_sources
 from .index import adapter_expert_tensors
 from .options import OPTION, MoeOptions
 from .options import moe_options  # noqa: F401  (the faces' plan.moe_options: planning/options.py's)
@@ -124,7 +125,7 @@ def pool_setup(index, plan, options=None) -> PoolSetup:
         "chunk_bytes": options.chunk_kb * 1024,
         "direct_io": 1 if options.direct_io else -1,
         "policy": policy_id(options.policy),
-        "budget_bytes": plan.budget_bytes if plan is not None else 0,
+        "budget_bytes": (options.budget or plan.budget_bytes) if plan is not None else 0,
         "prefetch": options.prefetch,
         "subst_ratio": float(options.subst or 0.0),
         "verify": 1 if options.verify and plan is not None else 0,
@@ -172,6 +173,8 @@ class LoadPlan:
     digests: dict | None = None  # moe_verify: the saved {tensor name: [n_expert] digests}, None: first reads
     preload: bool = False        # fill the empty slots right after the load
     pinned: bool = False         # the pools hold every expert, e in slot e: stock's graph, no remap op
+    controller: dict | None = None  # moe_elastic's controller: {"reserve": bytes kept free, "interval_ms", "sources":
+                                 # host_memory.memory_sources()}; None: the budget moves only when asked
 
     def report(self, verbose=True):
         """The lines a face logs before the load: the warnings always; with verbose the notices and
@@ -235,12 +238,16 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     floor = default_floor() if floor is None else floor
     notes = []
 
-    decided = _decide_slots(index, moe_slots, kwargs, options.resident_layers, available, floor, notes)
+    # pools that give memory back may take more of it: half the floor stays free (the controller's
+    # reserve), not all of it
+    sizing_floor = floor // 2 if elastic_wanted(moe_slots, options, kwargs) else floor
+    decided = _decide_slots(index, moe_slots, kwargs, options.resident_layers, available, floor, notes,
+                            sizing_floor)
     plan, options = _plan_pools(index, decided, options, notes)
     est = _estimate(index, plan, kwargs, options, notes)
     if guard:
-        check(est, index, plan, available=available, floor=floor, force=force,
-              what=what or f"loading {Path(index.path).name}")
+        check(est, index, plan, available=available, floor=sizing_floor if plan is not None else floor,
+              force=force, what=what or f"loading {Path(index.path).name}")
     load = LoadPlan(requested=moe_slots, moe_slots=decided, plan=plan, estimate=est, available=available,
                     floor=floor, notes=notes, index=index, options=options)
     if plan is None and not (options.trace and index.is_moe):
@@ -249,12 +256,52 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     load.pools.host_cache = est.host_cache
     if plan is not None:  # (else the routing is traced, every expert resident)
         _fill_pools(load, lora_paths)
+        load.controller = _controller(load, kwargs)
     return load
 
 
-def _decide_slots(index, moe_slots, kwargs, resident_layers, available, floor, notes):
+ELASTIC_INTERVAL_MS = 20  # how often the controller reads the memory left (a few microseconds each)
+
+
+def elastic_wanted(requested, options, kwargs):
+    """Whether a load asks for pools that give memory back: moe_elastic, or where it is None,
+    moe_slots "auto" with no layer offloaded, not forced into the repacked layout, and the memory
+    measured (not replaced by EMPANEL_MEM_AVAILABLE: the files the controller would read are then
+    not what the user says is there)."""
+    if options.elastic is not None:
+        return options.elastic
+    return (requested == "auto" and not kwargs.get("n_gpu_layers") and options.repack is not True
+            and not os.environ.get("EMPANEL_MEM_AVAILABLE"))
+
+
+def _controller(load, kwargs):
+    """The controller of a load with pools (LoadPlan.controller), or None (elastic_wanted; by
+    default also not where the pools ended up repacked). It keeps half the floor free, as the
+    planner did for it."""
+    options, notes = load.options, load.notes
+    if not elastic_wanted(load.requested, options, kwargs) or (options.elastic is None and options.repack is True):
+        return None
+    if load.pinned:
+        notes.append("moe_elastic: the pools hold every expert in place (stock's graph reads them): they keep "
+                     "their memory")
+        return None
+    sources = [s for s in memory_sources() if not any(any(c.isspace() for c in str(v)) for v in s.values())]
+    if not sources:
+        notes.append("moe_elastic: no memory limit to watch on this system (no memory cgroup, no /proc/meminfo): "
+                     "the budget moves only with moe_set_budget")
+        return None
+    reserve = max(load.floor // 2, 64 << 20)
+    notes.append(f"moe_elastic: the pools give memory back when less than {format_bytes(reserve)} is left "
+                 f"({', '.join(s.get('limit', s.get('available')) for s in sources)}) and take it again when "
+                 "it is free")
+    return {"reserve": reserve, "interval_ms": ELASTIC_INTERVAL_MS, "sources": sources[:4]}
+
+
+def _decide_slots(index, moe_slots, kwargs, resident_layers, available, floor, notes, sizing_floor=None):
     """moe_slots as planned: "auto" decided against the available memory (None: every expert
-    resident), None for a model without routed experts."""
+    resident, where it fits above the floor), None for a model without routed experts. Pools are
+    sized to leave sizing_floor free (half the floor where they give memory back)."""
+    sizing_floor = floor if sizing_floor is None else sizing_floor
     name = Path(index.path).name
     if moe_slots == "auto":
         if not index.is_moe:
@@ -265,10 +312,13 @@ def _decide_slots(index, moe_slots, kwargs, resident_layers, available, floor, n
                          + ("" if available is not None else " (available memory unknown)"))
             return None
         # the fewest slots if none fit: the guard then refuses with the advice
-        moe_slots = max(max_slots_that_fit(index, available - floor, full.params, resident_layers),
+        moe_slots = max(max_slots_that_fit(index, available - sizing_floor, full.params, resident_layers),
                         index.n_expert_used)
+        if sizing_floor < floor:  # every expert would pin the pools in place: they could not give back
+            moe_slots = min(moe_slots, max(index.n_expert - 1, index.n_expert_used))
         notes.append(f"moe-slots auto: {moe_slots} of {index.n_expert} expert slots per "
-                     f"layer fit in {format_bytes(available - floor)} (available minus floor)")
+                     f"layer fit in {format_bytes(available - sizing_floor)} (available minus "
+                     + ("floor)" if sizing_floor == floor else "half the floor: the pools give memory back)"))
     if moe_slots is not None and not index.is_moe:
         notes.append(f"{name}: no routed experts ({index.architecture}); moe_slots ignored, loading as usual")
         return None

@@ -24,17 +24,18 @@ def _mtime_ns(path):
 def load_text(load, stats_path=None):
     """The plan of a LoadPlan with pools (load.pools is not None) as text."""
     return plan_text(load.index, load.pools, preload=load.preload, pinned=load.pinned, orders=load.orders,
-                     digests=load.digests, stats_path=stats_path)
+                     digests=load.digests, stats_path=stats_path, controller=load.controller)
 
 
-def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests=None, stats_path=None):
+def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests=None, stats_path=None,
+              controller=None):
     """The plan of one model's pools as text.
 
     index: the model (index.ModelIndex); setup: plan.PoolSetup; preload: read experts into the
     empty slots after the load; pinned: pools that hold every expert keep expert e in slot e and
     run stock's graph (needs preload, and no orders for them); orders: {layer: (experts, LFU
     counts or None)} (plan.preload_orders); digests: {tensor name: [n_expert] digests} (digests.load) for a verifying plan; stats_path: where
-    a program appends each load's counters (JSON lines)."""
+    a program appends each load's counters (JSON lines); controller: moe_elastic's (LoadPlan.controller)."""
     for shard in index.shards:
         if "\n" in str(shard.path):
             raise ValueError(f"{shard.path!r}: a model path with a newline cannot be planned")
@@ -55,6 +56,12 @@ def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests
     if setup.host_cache:
         lines.append(f"host-cache {setup.host_cache}")
     lines.append(f"io {p['read_io']} {p['queue_depth']}")
+    if controller is not None:
+        lines.append(f"elastic {controller['reserve']} {controller['interval_ms']}")
+        for i, source in enumerate(controller["sources"]):
+            for role, key in (("limit", None), ("usage", None), ("stat", "stat_key"), ("available", "available_key")):
+                if source.get(role):
+                    lines.append(f"memory {i} {role} {source[key] if key else '-'} {source[role]}")
     lines.append("slots " + " ".join(str(n) for n in setup.n_slots))
     for t in setup.paged:
         lines.append(f"tensor {t.layer} {t.shard} {t.offset} {t.stride} {t.name}")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +31,63 @@ WARMUP_TEXT = (
     "tracks they wore became the lanes that the later turnpikes straightened, and the pans left "
     "the low mounds that walkers still take for the barrows of forgotten kings. "
 )
+
+
+# another program in the same memory cgroup (bench --neighbour): it takes `size` bytes, touches
+# every page and holds them until a line comes on stdin. Not first in line for the OOM killer as the
+# measured child is (oom_score_adj 1000, inherited): an ordinary program
+NEIGHBOUR_SCRIPT = """
+import mmap, sys, time
+try:
+    open("/proc/self/oom_score_adj", "w").write("0")
+except OSError:
+    pass
+t0 = time.monotonic()
+size = int(sys.argv[1])
+m = mmap.mmap(-1, size)
+for i in range(0, size, 4096):
+    m[i] = 1
+print(f"HELD {time.monotonic() - t0:.3f}", flush=True)
+sys.stdin.readline()
+"""
+
+
+class Neighbour:
+    """The neighbour process of a run (NEIGHBOUR_SCRIPT), started mid-decode, told to leave later."""
+
+    def __init__(self, size, t_decode):
+        self.size = size
+        self.start_s = time.perf_counter() - t_decode  # into the decode
+        self.held_s = None  # from its start to every page touched
+        self.left_s = None
+        self.proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR_SCRIPT, str(size)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        line = self.proc.stdout.readline()
+        if line.startswith("HELD"):
+            self.held_s = float(line.split()[1])
+
+    def leave(self, t_decode):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=5)
+        self.left_s = time.perf_counter() - t_decode
+
+    def outcome(self) -> dict:
+        return {"bytes": self.size, "start_s": self.start_s, "held_s": self.held_s, "left_s": self.left_s,
+                "rc": self.proc.returncode}
 
 
 def token_trace(llm, n_prompt: int, n_gen: int, text: str = PROMPT_TEXT):
@@ -221,13 +281,19 @@ def _eval_prompt(llm, prompt) -> dict:
 
 
 def _decode(llm, trace, spec) -> dict:
-    """The forced continuation, one token per eval, until max_tg_s (at least min_tg tokens)."""
+    """The forced continuation, one token per eval, until max_tg_s (at least min_tg tokens); with
+    spec["neighbour"], another program takes memory before token `at` and leaves before `leave_at`."""
     import numpy as np
 
     times, argmax, finite = [], [], True
+    plan, neighbour = spec.get("neighbour"), None
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t_start = time.perf_counter()
-    for tok in trace:
+    for i, tok in enumerate(trace):
+        if plan and i == plan["at"]:
+            neighbour = Neighbour(plan["bytes"], t_start)
+        if neighbour is not None and i == plan.get("leave_at"):
+            neighbour.leave(t_start)
         t0 = time.perf_counter()
         llm.eval([tok])
         t1 = time.perf_counter()
@@ -237,12 +303,19 @@ def _decode(llm, trace, spec) -> dict:
         finite = finite and bool(np.isfinite(logits).all())
         if t1 - t_start > spec["max_tg_s"] and len(times) >= spec["min_tg"]:
             break
+    if neighbour is not None and neighbour.left_s is None:
+        neighbour.leave(t_start)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     # the process's CPU over every thread (compute, readers, io_uring's workers) and its context
     # switches, over the decode (the kernel's interrupt work for the drive is in no process's clock)
     cpu = {"cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime,
            "voluntary_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "involuntary_switches": ru1.ru_nivcsw - ru0.ru_nivcsw}
-    return {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax, **cpu}
+    out = {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax, **cpu}
+    if neighbour is not None:
+        out["neighbour"] = {**neighbour.outcome(), "at": plan["at"], "leave_at": plan.get("leave_at")}
+        stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
+        out["budget"] = (stats or {}).get("budget")
+    return out
 
 
 def _result(spec, llm, load_s, rss, warmup, pp, tg, moe_total) -> dict:

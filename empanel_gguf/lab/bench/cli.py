@@ -21,7 +21,7 @@ from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
 from .runs import Bench, median, build_rows, log, run_child, sample_metrics
-from .report import details_table, fmt, fmt_bytes, main_table, model_label
+from .report import details_table, fmt, fmt_bytes, main_table, model_label, neighbour_table
 
 
 def build_info() -> dict:
@@ -93,6 +93,15 @@ def write_json(bench: Bench, configs, rows=None, tables=None):
     os.replace(tmp, out)
 
 
+def _size(text):
+    from ...planning.sizing import parse_size
+
+    size = parse_size(text)
+    if not size:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB)")
+    return size
+
+
 def setup_arg_parser():
     p = argparse.ArgumentParser(prog="empanel-gguf bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,6 +170,13 @@ def setup_arg_parser():
                         "moe_direct_io=true (repeatable)")
     g.add_argument("--llama-opt", action="append", type=parse_opt, default=[], metavar="KEY=VALUE",
                    help="extra Llama kwarg for every run (repeatable)")
+    g.add_argument("--neighbour", type=_size, default=None, metavar="SIZE",
+                   help="another program in the run's memory cgroup takes SIZE (e.g. 2GiB), touches and holds it "
+                        "mid-decode: who survives, and how fast decoding goes on (the neighbour table)")
+    g.add_argument("--neighbour-at", type=int, default=None, metavar="N",
+                   help="the decoded token before which it comes (default: a quarter of -n)")
+    g.add_argument("--neighbour-leave", type=int, default=None, metavar="N",
+                   help="the decoded token before which it frees its memory and leaves (default: it stays)")
     g.add_argument("--rpc", metavar="HOST:PORT,...", default=None,
                    help="place the layers of every run on these ggml-rpc-server processes, as llama.cpp's --rpc "
                         "(rpc_servers=; all layers unless --llama-opt n_gpu_layers=N); the JSON gets the bytes "
@@ -233,6 +249,8 @@ def main(argv=None, reports=()) -> int:
             bench.cgroup.remove()
         rows = build_rows(bench, configs)
         tables = {"main": main_table(bench, rows), "details": details_table(bench, rows)}
+        if args.neighbour:
+            tables["neighbour"] = neighbour_table(bench, rows)
         for title, report in reports:  # e.g. an issue's targets (scripts/bench.py)
             tables[title] = report(bench, rows)
         write_json(bench, configs, rows, tables)
@@ -364,6 +382,8 @@ def _print_summary(bench: Bench, tables, reports, t_start):
     args = bench.args
     print(f"\n{tables['main']}\n")
     print(f"{tables['details']}\n")
+    if "neighbour" in tables:
+        print(f"{tables['neighbour']}\n")
     drives = [f"{d['when']} {d['gbps']:.2f}" for d in bench.drive if d.get("gbps")]
     per = [s["drive"]["gbps"] for s in bench.samples if (s.get("drive") or {}).get("gbps")]
     print(f"drive O_DIRECT ({bench.probe_chunk // 1024} KiB chunks, depth {bench.probe_depth}): "

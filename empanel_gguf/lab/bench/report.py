@@ -131,6 +131,29 @@ def details_table(bench: Bench, rows) -> str:
     return markdown(headers, out)
 
 
+def neighbour_table(bench: Bench, rows) -> str:
+    """bench --neighbour: who survived another program taking memory mid-decode in the same
+    cgroup, and how fast decoding went before, with it and after it left (medians)."""
+    a = bench.args
+    headers = ["config", "cap", "status", "neighbour", "tg before t/s", "tg with t/s", "with / before",
+               "tg after t/s", "budget lowest", "given back", "shrink ms", "argmax = stock"]
+    out = []
+    for row in rows:
+        ok = row["status"].startswith("ok")
+        rc = row.get("neighbour_rc")
+        who = ("-" if not ok else "killed" if rc is not None and rc < 0 else
+               f"held in {row['neighbour_held_s']:.1f} s" if row.get("neighbour_held_s") is not None else f"rc {rc}")
+        before, with_ = row.get("tg_before_tps"), row.get("tg_with_tps")
+        out.append([row["config"], row["cap"], row["status"] if ok else (row.get("error") or row["status"])[:30], who,
+                    fmt(before), fmt(with_), fmt(with_ / before if before and with_ else None),
+                    fmt(row.get("tg_after_tps")), fmt_bytes(row.get("budget_lowest")),
+                    fmt_bytes(row.get("budget_given_back")), fmt(row.get("budget_shrink_ms"), ".1f"),
+                    row.get("argmax_agree", "-")])
+    title = (f"neighbour: {format_bytes(a.neighbour)} taken before decoded token {a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4}"
+             + (f", freed before token {a.neighbour_leave}" if a.neighbour_leave is not None else ", held to the end"))
+    return title + "\n\n" + markdown(headers, out)
+
+
 def kv_bytes(bench: Bench) -> int:
     """The KV cache of the context the runs use (F16), as the memory guard estimates it."""
     from ...planning.estimate import estimate

@@ -106,6 +106,8 @@ def _child_spec(bench: Bench, cfg: Config, result_path: Path) -> dict:
                          **(cfg.moe_opts or {})),
         "llama_opts": dict(a.llama_opt), "plain": cfg.plain, "result": str(result_path),
         "cgroup_procs": None,
+        "neighbour": ({"bytes": a.neighbour, "at": a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4,
+                       "leave_at": a.neighbour_leave} if a.neighbour else None),
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
     }
 
@@ -267,6 +269,18 @@ def sample_metrics(s: dict) -> dict:
         if d.get("dev_busy_s"):  # the disk's own view: rate while busy, share of the phase busy
             m[f"{ph}_dev_gbps"] = d["dev_read_bytes"] / d["dev_busy_s"] / 1e9
             m[f"{ph}_dev_busy_pct"] = 100 * d["dev_busy_s"] / sec if sec > 0 else None
+    nb = s["tg"].get("neighbour")
+    if nb:  # decode before the neighbour came, while it held its memory, after it left
+        times, at = s["tg"]["token_s"], nb["at"]
+        leave = nb["leave_at"] if nb.get("leave_at") is not None else len(times)
+        for name, part in (("before", times[:at]), ("with", times[at:leave]), ("after", times[leave:])):
+            m[f"tg_{name}_tps"] = len(part) / sum(part) if part and sum(part) > 0 else None
+        m["neighbour_held_s"] = nb.get("held_s")
+        m["neighbour_rc"] = nb.get("rc")
+        budget = s["tg"].get("budget") or {}
+        m["budget_lowest"] = budget.get("lowest_bytes")
+        m["budget_given_back"] = budget.get("given_back_bytes")
+        m["budget_shrink_ms"] = budget.get("max_shrink_ms")
     w = s.get("warmup")  # the first run after load: cold pools / page cache
     if w:
         for ph in ("pp", "tg"):

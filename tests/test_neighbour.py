@@ -1,0 +1,207 @@
+"""A neighbour in a real memory cgroup: another process that takes memory while the model runs.
+With moe_elastic the pools give memory back and nobody is killed; without, the kernel's OOM killer
+fires in the same scenario (the control that shows the test bites). Tokens equal stock's.
+
+Needs root and a memory cgroup (v1, or v2 with the memory controller delegated): skipped with
+the reason elsewhere, failed with EMPANEL_REQUIRE_CGROUP=1 (CI)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from empanel_gguf import Llama
+from empanel_gguf.models.fixtures import FixtureSpec, write_model
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+PROMPT = b"The quick brown fox jumps over"
+# 64 experts of 3 MiB (F16, 1024 x 512 x 3) in each of 2 layers: 384 MiB of experts
+SPEC = FixtureSpec("neighbour", "qwen3moe", n_layer=2, n_expert=64, n_expert_used=4, n_embd=1024, n_ff_exp=512,
+                   weight_type="F16", expert_types=("F16", "F16"), seed=21)
+SLOTS = 48  # 288 MiB of pools, preloaded; the floor is 24 MiB
+
+MODEL_SCRIPT = """
+import json, sys, time
+import numpy as np
+from empanel_gguf import Llama
+llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots=int(sys.argv[2]), moe_preload=True,
+            moe_elastic=sys.argv[3] == "1")
+tokens = []
+def step(n):
+    for _ in range(n):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(tokens[-1:])
+llm.eval(llm.tokenize(%r))
+step(4)
+print("READY", flush=True)
+sys.stdin.readline()          # the neighbour holds its memory now
+step(12)
+print("TOKENS", json.dumps(tokens, separators=(",", ":")), json.dumps(llm.moe_stats()["budget"]), flush=True)
+sys.stdin.readline()          # the neighbour has left
+t0 = time.monotonic()
+while llm.moe_stats()["budget"]["budget_bytes"] < llm.moe_stats()["budget"]["capacity_bytes"] and time.monotonic() - t0 < 10:
+    time.sleep(0.02)
+print("BACK", time.monotonic() - t0, flush=True)
+""" % PROMPT
+
+NEIGHBOUR_SCRIPT = """
+import mmap, sys
+size = int(sys.argv[1])
+m = mmap.mmap(-1, size)
+for i in range(0, size, 4096):
+    m[i] = 1
+print("HELD", flush=True)
+sys.stdin.readline()
+"""
+
+
+class Cgroup:
+    """A memory cgroup of our own under this process's (v1, or v2 with memory delegated)."""
+
+    def __init__(self, name):
+        self.dir = None
+        if os.geteuid() != 0:
+            self._missing("not root: no cgroup of our own")
+        entries = [line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()]
+        v1 = [rel for _, controllers, rel in entries if "memory" in controllers.split(",")]
+        if v1:
+            self.version, base, rel = 1, Path("/sys/fs/cgroup/memory"), v1[0]
+        else:
+            self.version, base = 2, Path("/sys/fs/cgroup")
+            rel = next((rel for hid, _, rel in entries if hid == "0"), "/")
+            control = base / rel.lstrip("/") / "cgroup.subtree_control"
+            if not control.exists() or "memory" not in control.read_text().split():
+                self._missing("cgroup v2 without the memory controller delegated here")
+        if not (base / rel.lstrip("/")).is_dir():
+            self._missing(f"no memory cgroup directory for {rel}")
+        self.dir = base / rel.lstrip("/") / f"{name}-{os.getpid()}"
+        self.dir.mkdir()
+        self.limit_file = self.dir / ("memory.limit_in_bytes" if self.version == 1 else "memory.max")
+        self.usage_file = self.dir / ("memory.usage_in_bytes" if self.version == 1 else "memory.current")
+
+    @staticmethod
+    def _missing(why):
+        if os.environ.get("EMPANEL_REQUIRE_CGROUP") == "1":
+            pytest.fail(f"EMPANEL_REQUIRE_CGROUP=1 but {why}", pytrace=False)
+        pytest.skip(why)
+
+    def set_limit(self, n):
+        self.limit_file.write_text(str(n))
+
+    def usage(self):
+        return int(self.usage_file.read_text())
+
+    def oom_kills(self):
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        for line in (self.dir / name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def spawn(self, args):
+        procs = self.dir / "cgroup.procs"
+        return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO, preexec_fn=lambda: procs.write_text(str(os.getpid())))
+
+    def remove(self):
+        if self.dir is not None:
+            for _ in range(50):
+                try:
+                    self.dir.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
+def expect(proc, word, timeout=120):
+    """The line that starts with `word`, or None if the process ended first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        line = proc.stdout.readline()
+        if not line:
+            return None
+        if line.startswith(word):
+            return line.split(maxsplit=1)[1] if " " in line.strip() else ""
+    return None
+
+
+def tell(proc):
+    """A line to a process's stdin, if it still reads (the OOM killer may have taken it)."""
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+        pass
+
+
+def run_scenario(cgroup, path, elastic):
+    """The model in the cgroup, the limit lowered to what it uses plus 320 MiB, a neighbour that
+    takes 400 MiB mid-decode, then leaves. (tokens or None, budget figures, seconds back, killed)"""
+    cgroup.set_limit(2 << 30)  # a limit from the start: the planner names the cgroup's files
+    model = cgroup.spawn([sys.executable, "-c", MODEL_SCRIPT, str(path), str(SLOTS), "1" if elastic else "0"])
+    neighbour = None
+    try:
+        assert expect(model, "READY") is not None, model.stderr.read()[-3000:]
+        cgroup.set_limit(cgroup.usage() + 320 * MiB)
+        neighbour = cgroup.spawn([sys.executable, "-c", NEIGHBOUR_SCRIPT, str(400 * MiB)])
+        held = expect(neighbour, "HELD", timeout=60) is not None
+        tokens = budget = back = None
+        if held and model.poll() is None:
+            tell(model)
+            got = expect(model, "TOKENS")
+            if got is not None:
+                text_tokens, text_budget = got.split(" ", 1)
+                tokens, budget = json.loads(text_tokens), json.loads(text_budget)
+        tell(neighbour)
+        neighbour.wait(timeout=30)
+        if tokens is not None and model.poll() is None:
+            tell(model)
+            got = expect(model, "BACK")
+            back = float(got) if got is not None else None
+        model.wait(timeout=60)
+        return tokens, budget, back, cgroup.oom_kills(), (model.returncode, neighbour.returncode)
+    finally:
+        for proc in (model, neighbour):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def stock_tokens(path):
+    llm = Llama(str(path), n_ctx=128, logits_all=True, verbose=False)
+    try:
+        llm.eval(llm.tokenize(PROMPT))
+        tokens = []
+        for _ in range(16):
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
+        return tokens
+    finally:
+        llm.close()
+
+
+def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path):
+    path = write_model(SPEC, tmp_path / "neighbour.gguf")
+    cgroup = Cgroup("empanel-neighbour")
+    try:
+        tokens, budget, back, kills, codes = run_scenario(cgroup, path, elastic=True)
+        assert kills == 0 and codes == (0, 0), (kills, codes)
+        assert tokens == stock_tokens(path)
+        assert budget["n_shrinks"] >= 1 and budget["given_back_bytes"] >= 200 * MiB, budget
+        assert budget["max_shrink_ms"] < 100, budget
+        assert back is not None and back < 5, back
+    finally:
+        cgroup.remove()
+    control = Cgroup("empanel-neighbour-control")
+    try:  # the same without moe_elastic: the OOM killer fires (the scenario bites)
+        tokens, budget, back, kills, codes = run_scenario(control, path, elastic=False)
+        assert kills >= 1 and -9 in codes, (kills, codes)
+    finally:
+        control.remove()

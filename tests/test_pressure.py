@@ -1,0 +1,160 @@
+"""The controller (csrc/pressure.c, moe_elastic): it reads the memory left where the planner says
+(planning/host_memory.py, the one definition) and moves the live budget: down at once when
+memory runs low, up again once it is free, without swinging. Fake cgroup trees stand for the
+kernel's files here; tests/test_neighbour.py runs a real cgroup with a real neighbour."""
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from empanel_gguf import Llama
+from empanel_gguf.engine.pools import memory_available
+from empanel_gguf.models import fixtures
+from empanel_gguf.planning import host_memory
+from empanel_gguf.planning.index import load_index
+from empanel_gguf.planning.plan import moe_options, plan_load
+
+MiB = 1 << 20
+
+
+def cgroup_v1(tmp_path, limit, usage, inactive):
+    d = tmp_path / "v1"
+    d.mkdir(exist_ok=True)
+    (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    (d / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    (d / "memory.stat").write_text(f"cache 4096\nrss 8192\ninactive_file 1\ntotal_cache 4096\n"
+                                   f"total_inactive_file {inactive}\ntotal_active_file 77\n")
+    return {"limit": str(d / "memory.limit_in_bytes"), "usage": str(d / "memory.usage_in_bytes"),
+            "stat": str(d / "memory.stat"), "stat_key": "total_inactive_file"}
+
+
+def cgroup_v2(tmp_path, limit, current, inactive):
+    d = tmp_path / "v2"
+    d.mkdir(exist_ok=True)
+    (d / "memory.max").write_text(f"{limit}\n")
+    (d / "memory.current").write_text(f"{current}\n")
+    (d / "memory.stat").write_text(f"anon 100\nfile 300\nactive_file 200\ninactive_file {inactive}\n")
+    return {"limit": str(d / "memory.max"), "usage": str(d / "memory.current"), "stat": str(d / "memory.stat"),
+            "stat_key": "inactive_file"}
+
+
+def meminfo(tmp_path, available_kb):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       16000000 kB\nMemFree:         100 kB\nMemAvailable:   {available_kb} kB\n"
+                    "Buffers:           0 kB\n")
+    return {"available": str(path), "available_key": "MemAvailable"}
+
+
+def python_left(sources):
+    values = [v for v in (host_memory.source_left(s) for s in sources) if v is not None]
+    return min(values) if values else None
+
+
+def test_the_sidecar_reads_memory_as_the_planner_does(tmp_path):
+    """C's reading (the controller's) and Python's (the planner's) of the same files agree, on
+    cgroup v1 and v2 trees, a v2 limit of "max", meminfo, and this machine's own sources."""
+    v1 = cgroup_v1(tmp_path, 6 << 30, 5 << 30, 300 * MiB)
+    v2 = cgroup_v2(tmp_path, 2 << 30, 1 << 30, 64 * MiB)
+    host = meminfo(tmp_path, 3_000_000)
+    for sources in ([v1], [v2], [host], [v1, v2, host], [v2, host]):
+        assert memory_available(sources) == python_left(sources)
+    assert memory_available([v1]) == (6 << 30) - (5 << 30) + 300 * MiB
+    assert memory_available([v1, v2, host]) == (1 << 30) + 64 * MiB
+    Path(v2["limit"]).write_text("max\n")
+    assert memory_available([v2]) is None and python_left([v2]) is None
+    assert memory_available([v2, host]) == 3_000_000 * 1024
+    Path(v1["usage"]).write_text(f"{7 << 30}\n")  # over the limit (the kernel reclaims): nothing left
+    assert memory_available([v1]) == 0 == python_left([v1])
+    real = host_memory.memory_sources()
+    if real:
+        assert abs(memory_available(real) - python_left(real)) < 64 * MiB  # (read a moment apart)
+
+
+def test_the_controller_gives_back_and_takes_again(tmp_path):
+    """Usage rises past the reserve: the budget drops at once and the pages go; decoding goes on
+    bit-identical to stock; usage falls: the budget is back within 5 s and then holds still."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    index = load_index(path)
+    limit, reserve = 4 << 30, 64 * MiB
+    source = cgroup_v1(tmp_path, limit, 1 << 30, 0)
+    llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, moe_slots=128, moe_elastic=False)
+    tokens = []
+    try:
+        llm.eval(llm.tokenize(b"The quick brown fox"))
+        for _ in range(8):
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
+        before = llm.moe_stats()["budget"]
+        capacity = before["capacity_bytes"]
+        assert before["budget_bytes"] == capacity and before["resident_bytes"] > capacity // 2
+        llm._experts.watch_memory([source], reserve, interval_ms=10)
+        time.sleep(0.1)
+        assert llm.moe_stats()["budget"]["n_changes"] == 0  # plenty left: nothing moves
+        # another program takes memory: 16 MiB left, below the reserve
+        Path(source["usage"]).write_text(f"{limit - 16 * MiB}\n")
+        t0 = time.monotonic()
+        while llm.moe_stats()["budget"]["n_shrinks"] == 0 and time.monotonic() - t0 < 5:
+            time.sleep(0.002)
+        seen_after = time.monotonic() - t0
+        low = llm.moe_stats()["budget"]
+        assert low["n_shrinks"] >= 1 and seen_after < 0.5, seen_after
+        want = max(low["floor_bytes"], before["resident_bytes"] - (reserve - 16 * MiB) - reserve // 2)
+        assert low["budget_bytes"] == want and low["resident_bytes"] <= want
+        assert low["available_bytes"] == 16 * MiB and low["last_shrink_ms"] < 100
+        for _ in range(8):  # decoding under the lower budget
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
+        assert llm.moe_stats()["budget"]["resident_bytes"] <= want + capacity // len(index.layers)
+        # the program leaves: back to the capacity within 5 s, and no swinging after
+        Path(source["usage"]).write_text(f"{1 << 30}\n")
+        t0 = time.monotonic()
+        while llm.moe_stats()["budget"]["budget_bytes"] < capacity and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        back_after = time.monotonic() - t0
+        assert llm.moe_stats()["budget"]["budget_bytes"] == capacity and back_after < 5, back_after
+        settled = llm.moe_stats()["budget"]
+        time.sleep(1.0)
+        assert llm.moe_stats()["budget"]["n_changes"] == settled["n_changes"]
+        assert settled["n_grows"] >= 1 and settled["lowest_bytes"] == want
+        for _ in range(8):
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(tokens[-1:])
+        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+        exact_to = llm.moe_stats()["exact_to"]
+    finally:
+        llm.close()
+    stock = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, moe_repack=exact_to != "llama.cpp --no-repack")
+    try:
+        stock.eval(stock.tokenize(b"The quick brown fox"))
+        for token in tokens:  # one at a time, as the pools ran (a batch takes other kernels)
+            stock.eval([token])
+        assert np.array_equal(logits, np.array(stock.scores[: stock.n_tokens]))
+    finally:
+        stock.close()
+
+
+def test_elastic_follows_the_options(tmp_path, monkeypatch):
+    """moe_slots="auto" pools that page are elastic by default; a count is not unless asked;
+    moe_elastic=False pins auto; EMPANEL_MEM_AVAILABLE (the measurement replaced) turns the
+    default off. The plan names the files it watches, and the pools watch them."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    index = load_index(path)
+    full = plan_load(index, None, {"n_ctx": 64}, available=1 << 40, floor=0).estimate.host  # every expert
+    floor, paging = 128 * MiB, 128 * MiB + full - index.expert_bytes_total // 2  # available: auto pages
+    for slots, elastic, on in (("auto", None, True), (64, None, False), (64, True, True), ("auto", False, False)):
+        load = plan_load(index, slots, {"n_ctx": 64}, options=moe_options(moe_elastic=elastic), available=paging,
+                         floor=floor, guard=False)
+        assert load.plan is not None and (load.controller is not None) is on, (slots, elastic)
+        if on:
+            assert load.controller["sources"] == host_memory.memory_sources()[:4]
+            assert load.controller["reserve"] == max(load.floor // 2, 64 * MiB)
+            llm = Llama(str(path), n_ctx=64, verbose=False, moe_load=load)
+            try:
+                budget = llm.moe_stats()["budget"]
+                assert budget["elastic"] and budget["reserve_bytes"] == load.controller["reserve"]
+            finally:
+                llm.close()
+    monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", str(paging))
+    load = plan_load(index, "auto", {"n_ctx": 64}, available=paging, floor=floor, guard=False)
+    assert load.plan is not None and load.controller is None
