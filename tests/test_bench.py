@@ -112,6 +112,26 @@ def test_smoke_run(bench, tiny_model, tmp_path):
     assert "| model" in doc["tables"]["main"] and "tg8" in doc["tables"]["main"]
 
 
+def test_smoke_run_with_a_neighbour(bench, tiny_model, tmp_path):
+    """--neighbour: another process takes memory before decoded token 2 and leaves before token 6;
+    the rows split the decode there and say what the pools did (no cgroup here: plumbing only)."""
+    out = tmp_path / "bench.json"
+    argv = ["-m", str(tiny_model), "--configs", "stock,empanel-min/elastic=on", "-r", "1", "-p", "16", "-n", "8",
+            "-t", "1", "--no-cap", "--no-cgroup", "--no-drop-caches", "--probe-s", "0", "--no-warmup",
+            "--timeout", "120", "--json", str(out), "--log-dir", str(tmp_path / "logs"),
+            "--neighbour", "16MiB", "--neighbour-at", "2", "--neighbour-leave", "6"]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    for sample in doc["samples"]:
+        nb = sample["tg"]["neighbour"]
+        assert nb["rc"] == 0 and nb["held_s"] is not None and nb["at"] == 2 and nb["leave_at"] == 6
+    rows = {r["config"]: r for r in doc["rows"]}
+    for row in rows.values():
+        assert row["tg_before_tps"] > 0 and row["tg_with_tps"] > 0 and row["tg_after_tps"] > 0
+    assert doc["samples"][1]["tg"]["budget"]["elastic"] is True
+    assert "neighbour: 16.00 MiB taken before decoded token 2, freed before token 6" in doc["tables"]["neighbour"]
+
+
 def test_command_and_script_reach_the_bench(tmp_path):
     for argv in ([sys.executable, "-m", "empanel_gguf", "bench", "--help"],
                  [sys.executable, str(REPO / "scripts" / "bench.py"), "--help"]):
