@@ -227,6 +227,20 @@ def test_exec_chains_an_existing_sitecustomize_and_guards(model, tmp_path):
     assert proc.stdout.strip() == "MemoryRefused"
 
 
+def test_exec_hands_moe_options_to_the_program(model, tmp_path):
+    """--moe-elastic and --moe-budget (and any LLAMA_ARG_MOE_* variable) reach the program's
+    Llama(...) calls."""
+    index = load_index(model)
+    floor = sum(index.n_expert_used * layer.expert_bytes for layer in index.layers)
+    code = ("import sys, llama_cpp\nllm = llama_cpp.Llama(sys.argv[1], n_ctx=128, verbose=False)\n"
+            "b = llm.moe_stats()['budget']\nprint(b['elastic'], b['budget_bytes'], llm.moe_load.options.verify)\n")
+    env = cli_env(LLAMA_ARG_MOE_VERIFY="on")
+    proc = cli("exec", "--moe-slots", 8, "--moe-elastic", "on", "--moe-budget", str(floor + 4096), "--",
+               sys.executable, "-c", code, model, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", str(floor + 4096), "True"]
+
+
 def test_exec_print_env():
     proc = cli("exec", "--moe-slots", "25%", "--print-env")
     assert proc.returncode == 0, proc.stderr

@@ -20,6 +20,9 @@ It runs PROGRAM with these environment variables, which can also be set by hand
   EMPANEL_FORCE        1: load even when the guard estimates that the model does not fit
   EMPANEL_RPC_SERVERS  rpc_servers of every Llama(...) that does not pass them: HOST:PORT,... of
                        ggml-rpc-server processes that take the offloaded layers and their pools
+  LLAMA_ARG_MOE_*      any other moe_* option of every Llama(...) that does not pass it, as the
+                       commands' variables give it (--moe-elastic and --moe-budget set theirs:
+                       LLAMA_ARG_MOE_ELASTIC, LLAMA_ARG_MOE_BUDGET)
 
 Python started with -S or -I ignores PYTHONPATH/sitecustomize: there only the libraries change.
 A Llama that the guard refuses raises empanel_gguf.planning.guard.MemoryRefused in the program.
@@ -50,14 +53,19 @@ def setup_arg_parser():
             help="load even when the memory guard estimates that a model does not fit")
     env_arg(parser, "--rpc", env="LLAMA_ARG_RPC", default=None, metavar="HOST:PORT,...", show_default="none",
             help="ggml-rpc-server processes for the program's models (rpc_servers=)")
+    for name in _MOE_FLAGS:  # pools that give memory back
+        o = OPTION[name]
+        env_arg(parser, *o.flags, env=o.env, default=None, metavar=o.metavar, help=o.help,
+                show_default=o.show_default)
     parser.add_argument("--print-env", action="store_true",
                         help="print the environment as shell exports instead of running a program")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
 
 
-def build_env(moe_slots="auto", mem_floor=None, force=False, base=None, rpc_servers=None):
-    """The environment that makes a program's llama_cpp use empanel-gguf (see the module doc)."""
+def build_env(moe_slots="auto", mem_floor=None, force=False, base=None, rpc_servers=None, moe_env=None):
+    """The environment that makes a program's llama_cpp use empanel-gguf (see the module doc);
+    moe_env: {LLAMA_ARG_MOE_* variable: text} for the program's Llama(...) calls."""
     from ..engine.native import lib_dir
 
     env = dict(os.environ if base is None else base)
@@ -73,11 +81,13 @@ def build_env(moe_slots="auto", mem_floor=None, force=False, base=None, rpc_serv
         env["EMPANEL_FORCE"] = "1"
     if rpc_servers:
         env["EMPANEL_RPC_SERVERS"] = rpc_servers
+    env.update({key: str(value) for key, value in (moe_env or {}).items() if value is not None})
     return env
 
 
 _CHANGED = ("LLAMA_CPP_LIB_PATH", "MTMD_CPP_LIB", "PYTHONPATH", "EMPANEL_MOE_SLOTS",
             "EMPANEL_MEM_FLOOR", "EMPANEL_FORCE", "EMPANEL_RPC_SERVERS")
+_MOE_FLAGS = ("elastic", "budget")  # exec's own moe flags besides --moe-slots (others: LLAMA_ARG_MOE_*)
 
 
 def main(argv=None):
@@ -91,9 +101,12 @@ def main(argv=None):
     args = parser.parse_args(options)
     if command is None:
         command = args.command
-    env = build_env(args.moe_slots, args.mem_floor, args.force, rpc_servers=args.rpc)
+    from ..planning.options import OPTION
+
+    moe_env = {OPTION[name].env: getattr(args, f"moe_{name}") for name in _MOE_FLAGS}
+    env = build_env(args.moe_slots, args.mem_floor, args.force, rpc_servers=args.rpc, moe_env=moe_env)
     if args.print_env:
-        for key in _CHANGED:
+        for key in _CHANGED + tuple(moe_env):
             if key in env:
                 print(f"export {key}={shlex.quote(env[key])}")
         return 0
@@ -144,6 +157,7 @@ def _load_from_env(model_path, kwargs):
     MemoryRefused); (None, moe_slots) where the file cannot be indexed (Llama reports its problem)."""
     from ..planning.host_memory import parse_floor
     from ..planning.index import ModelError, load_index
+    from ..planning.options import env_options
     from ..planning.plan import moe_options, parse_moe_slots, plan_load, print_notices
 
     moe_slots = parse_moe_slots(os.environ.get("EMPANEL_MOE_SLOTS"))
@@ -154,7 +168,8 @@ def _load_from_env(model_path, kwargs):
     except (ModelError, OSError):
         return None, (None if moe_slots == "auto" else moe_slots)
     force = os.environ.get("EMPANEL_FORCE", "").strip().lower() in ("1", "true", "on", "yes")
-    moe = {key: kwargs.pop(key) for key in list(kwargs) if key.startswith("moe_") and key != "moe_load"}
+    moe = {**env_options(os.environ),
+           **{key: kwargs.pop(key) for key in list(kwargs) if key.startswith("moe_") and key != "moe_load"}}
     lora = [kwargs["lora_path"]] if kwargs.get("lora_path") else []
     load = plan_load(index, moe_slots, kwargs, options=moe_options(**moe), lora_paths=lora,
                      floor=parse_floor(os.environ.get("EMPANEL_MEM_FLOOR")), force=force,

@@ -320,6 +320,18 @@ KEYWORDS = tuple(o.keyword for o in OPTIONS)  # moe_slots first
 LOAD_OPTIONS = tuple(o for o in OPTIONS if o.name != "slots")  # MoeOptions' (moe_slots is planned apart)
 
 
+def env_options(environ):
+    """The moe_* keywords (moe_slots aside) that the flags' variables give (LLAMA_ARG_MOE_*, set
+    in `environ`), parsed as their flags are: how `empanel-gguf exec` hands options to a program's
+    Llama(...) calls."""
+    out = {}
+    for o in LOAD_OPTIONS:
+        text = environ.get(o.env) if o.env else None
+        if text not in (None, ""):
+            out[o.keyword] = o.parse(text) if o.parse is not None else text
+    return out
+
+
 def _check_all(self):
     """MoeOptions.__post_init__: every value checked (ValueError naming the option), as the load
     takes it."""
