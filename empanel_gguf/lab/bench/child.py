@@ -182,7 +182,10 @@ def child_main(spec_path: str) -> int:
     disk = spec.get("disk_stat")
     counts0 = _counts(llm, disk)
     phase("pp")
+    arrival = _neighbour_in_prompt(spec)
     pp = _eval_prompt(llm, prompt)
+    if arrival is not None:
+        arrival.cancel()  # (a prompt done sooner: it comes with the first decoded token instead)
     counts1 = _counts(llm, disk)
     phase("tg")
     tg = _decode(llm, trace, spec)
@@ -270,6 +273,22 @@ def _phase_counts(after, before) -> dict:
             "moe": _delta(after[1], before[1]), **_disk_delta(after[2], before[2])}
 
 
+def _neighbour_in_prompt(spec):
+    """bench --neighbour-in-prompt S: a timer that starts the neighbour S seconds into the measured
+    prompt (kept in spec["_neighbour"] for the decode that follows); None without one."""
+    plan = spec.get("neighbour")
+    if not plan or plan.get("prompt_s") is None:
+        return None
+    t0 = time.perf_counter()
+
+    def arrive():
+        spec["_neighbour"] = Neighbour(plan["bytes"], t0)
+
+    timer = threading.Timer(plan["prompt_s"], arrive)
+    timer.start()
+    return timer
+
+
 def _eval_prompt(llm, prompt) -> dict:
     import numpy as np
 
@@ -286,11 +305,11 @@ def _decode(llm, trace, spec) -> dict:
     import numpy as np
 
     times, argmax, finite = [], [], True
-    plan, neighbour = spec.get("neighbour"), None
+    plan, neighbour = spec.get("neighbour"), spec.get("_neighbour")
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t_start = time.perf_counter()
     for i, tok in enumerate(trace):
-        if plan and i == plan["at"]:
+        if plan and i == plan["at"] and neighbour is None:
             neighbour = Neighbour(plan["bytes"], t_start)
         if neighbour is not None and i == plan.get("leave_at"):
             neighbour.leave(t_start)
@@ -312,7 +331,8 @@ def _decode(llm, trace, spec) -> dict:
            "voluntary_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "involuntary_switches": ru1.ru_nivcsw - ru0.ru_nivcsw}
     out = {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax, **cpu}
     if neighbour is not None:
-        out["neighbour"] = {**neighbour.outcome(), "at": plan["at"], "leave_at": plan.get("leave_at")}
+        out["neighbour"] = {**neighbour.outcome(), "at": 0 if spec.get("_neighbour") else plan["at"],
+                            "leave_at": plan.get("leave_at"), "in_prompt": spec.get("_neighbour") is not None}
         stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
         out["budget"] = (stats or {}).get("budget")
     return out

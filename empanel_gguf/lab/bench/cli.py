@@ -175,6 +175,8 @@ def setup_arg_parser():
                         "mid-decode: who survives, and how fast decoding goes on (the neighbour table)")
     g.add_argument("--neighbour-at", type=int, default=None, metavar="N",
                    help="the decoded token before which it comes (default: a quarter of -n)")
+    g.add_argument("--neighbour-in-prompt", type=float, default=None, metavar="S",
+                   help="it comes S seconds into the measured prompt instead (and holds through the decode)")
     g.add_argument("--neighbour-leave", type=int, default=None, metavar="N",
                    help="the decoded token before which it frees its memory and leaves (default: it stays)")
     g.add_argument("--rpc", metavar="HOST:PORT,...", default=None,

@@ -149,7 +149,9 @@ def neighbour_table(bench: Bench, rows) -> str:
                     fmt(row.get("tg_after_tps")), fmt_bytes(row.get("budget_lowest")),
                     fmt_bytes(row.get("budget_given_back")), fmt(row.get("budget_shrink_ms"), ".1f"),
                     row.get("argmax_agree", "-")])
-    title = (f"neighbour: {format_bytes(a.neighbour)} taken before decoded token {a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4}"
+    when = (f"{a.neighbour_in_prompt:g} s into the prompt" if a.neighbour_in_prompt is not None else
+            f"before decoded token {a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4}")
+    title = (f"neighbour: {format_bytes(a.neighbour)} taken {when}"
              + (f", freed before token {a.neighbour_leave}" if a.neighbour_leave is not None else ", held to the end"))
     return title + "\n\n" + markdown(headers, out)
 

@@ -107,7 +107,7 @@ def _child_spec(bench: Bench, cfg: Config, result_path: Path) -> dict:
         "llama_opts": dict(a.llama_opt), "plain": cfg.plain, "result": str(result_path),
         "cgroup_procs": None,
         "neighbour": ({"bytes": a.neighbour, "at": a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4,
-                       "leave_at": a.neighbour_leave} if a.neighbour else None),
+                       "leave_at": a.neighbour_leave, "prompt_s": a.neighbour_in_prompt} if a.neighbour else None),
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
     }
 
