@@ -31,6 +31,10 @@
 #define PRESSURE_GROW_EVERY_NS         500000000ull // moves up at most every 0.5 s
 #define PRESSURE_NO_LIMIT             (1ull << 60)  // cgroup v1 writes 2^63 - 4096 for none
 
+// several elastic pools in one process (two models) read the same memory: after one moves its
+// budget, the others wait for a fresh reading (two polls) instead of cutting for the same deficit
+static atomic_ullong g_last_move_ns = 0;
+
 struct watched_source {
     int  limit_fd, usage_fd, stat_fd, available_fd;  // -1: not read
     char stat_key[64];
@@ -204,6 +208,10 @@ static void poll_once(struct empanel_watch * w, uint64_t * last_shrink_ns, uint6
     if (left >= reserve && left <= reserve + reserve / 4) {
         return; // the band where nothing moves: no lock taken
     }
+    const uint64_t moved = atomic_load(&g_last_move_ns);
+    if (moved != 0 && now - moved < 2 * (uint64_t) w->interval_ns && moved != *last_shrink_ns && moved != *last_grow_ns) {
+        return; // another pool of this process just moved: its pages are not in this reading yet
+    }
     if (left >= reserve) {
         if (pthread_mutex_trylock(&pool->lock) != 0) {
             return; // a remap runs: a move up waits for the next poll, never the decode for it
@@ -224,12 +232,14 @@ static void poll_once(struct empanel_watch * w, uint64_t * last_shrink_ns, uint6
             pool->pressure.last_shrink_ms = ms;
             pool->pressure.max_shrink_ms  = ms > pool->pressure.max_shrink_ms ? ms : pool->pressure.max_shrink_ms;
             *last_shrink_ns = now;
+            atomic_store(&g_last_move_ns, now);
         }
     } else if (left > promised + reserve + reserve / 4 && budget < pool->budget.capacity_bytes &&
                now - *last_shrink_ns >= PRESSURE_GROW_AFTER_SHRINK_NS && now - *last_grow_ns >= PRESSURE_GROW_EVERY_NS) {
         empanel_budget_set_locked(pool, budget + (left - promised - reserve - reserve / 8));
         pool->pressure.n_grows++;
         *last_grow_ns = now;
+        atomic_store(&g_last_move_ns, now);
     }
     pthread_mutex_unlock(&pool->lock);
 }

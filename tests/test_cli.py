@@ -235,10 +235,15 @@ def test_exec_hands_moe_options_to_the_program(model, tmp_path):
     code = ("import sys, llama_cpp\nllm = llama_cpp.Llama(sys.argv[1], n_ctx=128, verbose=False)\n"
             "b = llm.moe_stats()['budget']\nprint(b['elastic'], b['budget_bytes'], llm.moe_load.options.verify)\n")
     env = cli_env(LLAMA_ARG_MOE_VERIFY="on")
-    proc = cli("exec", "--moe-slots", 8, "--moe-elastic", "on", "--moe-budget", str(floor + 4096), "--",
+    proc = cli("exec", "--moe-slots", 8, "--moe-budget", str(floor + 4096), "--",
                sys.executable, "-c", code, model, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", str(floor + 4096), "True"]
+    assert proc.stdout.split() == ["False", str(floor + 4096), "True"]
+    # elastic: the controller starts (and may raise the budget to the capacity: plenty is free)
+    proc = cli("exec", "--moe-slots", 8, "--moe-elastic", "on", "--", sys.executable, "-c", code, model,
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "True"
 
 
 def test_exec_print_env():

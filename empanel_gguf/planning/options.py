@@ -289,7 +289,8 @@ OPTIONS = (
     Option("budget", None, metavar="SIZE", check=_budget, server=Optional[str],
            doc='the live budget at load: bytes (or a size, "4GiB") of resident experts over all layers, below '
                "the pools' capacity (their slots); Llama.moe_set_budget moves it while the model runs, and "
-               "moe_elastic moves it with the memory left. None: the capacity (g-lru: its shared budget). "
+               "moe_elastic moves it with the memory left, from there up to the capacity. None: the capacity "
+               "(g-lru: its shared budget). "
                "Never below the top-k experts of every MoE layer.",
            help="the live budget of resident experts at load (e.g. 4GiB), below the pools' capacity; "
                 "moe_elastic moves it with the memory left"),
