@@ -1,0 +1,39 @@
+#!/bin/bash
+# A 512 MiB neighbour through `empanel-gguf run` and llama-server, in a memory cgroup of 40 % of
+# the model file (root, cgroup v1): both live, the text equals a run without it, the budget moved
+# (docs/reliability.md). Needs llama.cpp's programs (-DEMPANEL_PROGRAMS=ON).
+set -u
+cd "$(dirname "$0")/.."
+M=${1:?usage: scripts/neighbour_faces.sh MODEL.gguf (the 12-layer bench model: bench --write-model M12.gguf --layers 12)}
+BASE=$(awk -F: '/memory/ {print $3}' /proc/self/cgroup)
+CG=/sys/fs/cgroup/memory$BASE/empanel-faces
+LIMIT=$(python3 -c "import os; print(int(0.4 * os.path.getsize('$M')))")
+NB='import mmap, sys, time
+m = mmap.mmap(-1, 512 << 20)
+for i in range(0, 512 << 20, 4096): m[i] = 1
+print("held", flush=True); time.sleep(float(sys.argv[1]))'
+PROMPT="The history of the river towns is written in their bridges. Each generation built a crossing"
+setup() { rmdir $CG 2>/dev/null; mkdir $CG; echo $LIMIT > $CG/memory.limit_in_bytes; sync; echo 3 > /proc/sys/vm/drop_caches; }
+kills() { awk '/oom_kill / {print $2}' $CG/memory.oom_control; }
+incg() { sh -c 'echo $$ > '$CG'/cgroup.procs; exec "$@"' sh "$@"; }
+
+echo "== run, no neighbour"; setup
+incg python -m empanel_gguf run $M --moe-slots auto -p "$PROMPT" -n 64 --temp 0 > /tmp/run-alone.out 2> /tmp/run-alone.err; echo "rc $? kills $(kills)"
+echo "== run, a 512 MiB neighbour 6 s in, for 8 s"; setup
+incg python -m empanel_gguf run $M --moe-slots auto -p "$PROMPT" -n 64 --temp 0 > /tmp/run-nb.out 2> /tmp/run-nb.err & P=$!
+sleep 6; incg python3 -c "$NB" 8 & N=$!
+wait $P; echo "run rc $?"; wait $N; echo "neighbour rc $? kills $(kills)"
+cmp /tmp/run-alone.out /tmp/run-nb.out && echo "run: the same text"
+grep -E "budget|decode" /tmp/run-nb.err | tail -3
+
+echo "== llama-server"; setup
+incg python -m empanel_gguf llama-server -m $M --moe-slots auto --port 8091 -c 1024 -t 2 --metrics > /tmp/srv.out 2> /tmp/srv.err & S=$!
+for i in $(seq 60); do curl -s localhost:8091/health | grep -q ok && break; sleep 1; done
+req() { curl -s localhost:8091/completion -d "{\"prompt\": \"$PROMPT\", \"n_predict\": 64, \"temperature\": 0, \"cache_prompt\": false}" | python3 -c "import json,sys; print(json.load(sys.stdin)['content'])"; }
+req > /tmp/srv-alone.out
+(sleep 3; incg python3 -c "$NB" 8) & N=$!
+req > /tmp/srv-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
+cmp /tmp/srv-alone.out /tmp/srv-nb.out && echo "llama-server: the same text"
+curl -s localhost:8091/metrics | grep -E "^empanel_budget_(shrinks|grows|given_back|lowest|elastic)" 
+kill $(cat $CG/cgroup.procs) 2>/dev/null; wait $S 2>/dev/null; sleep 2
+rmdir $CG
