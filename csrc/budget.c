@@ -51,13 +51,20 @@ void empanel_budget_settle(struct empanel_pool * pool, int32_t n_used, int pinne
     pthread_mutex_unlock(&pool->lock);
 }
 
+int empanel_budget_movable(const struct empanel_pool * pool, char * err, size_t err_size) {
+    if (pool->budget.fixed_why != NULL) {
+        empanel_util_format_err(err, err_size, "this model's pools cannot give memory back: %s", pool->budget.fixed_why);
+        return -1;
+    }
+    return 0;
+}
+
 int32_t empanel_pool_set_budget(struct empanel_pool * pool, uint64_t budget_bytes, char * err, size_t err_size) {
     if (budget_bytes == 0) {
         empanel_util_format_err(err, err_size, "a budget of 0 bytes: the experts of one remap must fit");
         return -1;
     }
-    if (pool->budget.fixed_why != NULL) {
-        empanel_util_format_err(err, err_size, "this model's pools cannot give memory back: %s", pool->budget.fixed_why);
+    if (empanel_budget_movable(pool, err, err_size) != 0) {
         return -1;
     }
     if (budget_bytes < pool->budget.floor_bytes) {

@@ -290,8 +290,7 @@ static void pools_without_huge_pages(struct empanel_pool * pool) {
 int32_t empanel_pool_watch_memory(struct empanel_pool * pool, const struct empanel_memory_source * sources,
                                   int32_t n_sources, uint64_t reserve_bytes, int32_t interval_ms,
                                   char * err, size_t err_size) {
-    if (pool->budget.fixed_why != NULL) {
-        empanel_util_format_err(err, err_size, "this model's pools cannot give memory back: %s", pool->budget.fixed_why);
+    if (empanel_budget_movable(pool, err, err_size) != 0) {
         return -1;
     }
     if (pool->pressure.watch != NULL) {

@@ -1,8 +1,8 @@
 // The slot tables of a layer: which expert each slot holds, which slot to evict (LRU, LFU with
 // decay, g-lru), the recency list over every layer that g-lru and the live budget evict from,
-// claiming and placing, and the accounting of guesses and read-ahead that the tables carry. No I/O: the remap (remap.c), the read-ahead
-// (guess.c), preload (preload.c), the read batches (batch.c) and the policy lab all change the
-// tables through these functions.
+// claiming and placing, and the accounting of guesses and read-ahead that the tables carry. No
+// I/O: the remap (remap.c), the read-ahead (guess.c), preload (preload.c), the read batches
+// (batch.c) and the policy lab all change the tables through these functions.
 //
 // Each paged layer has n_slots slots shared by its expert tensors (gate/up/down or gate_up/down):
 // slot s of every tensor of the layer holds the same expert.
@@ -161,23 +161,28 @@ static int evictable(const struct empanel_pool * pool, int32_t e, uint64_t keep)
     return 1;
 }
 
-// entry e leaves its slot: the tables forget it, the budget no longer counts it and its pages go
-// back to the kernel (host pools). Bytes freed while over the budget count as given back
-static void evict(struct empanel_pool * pool, int32_t e) {
-    struct empanel_layer  * layer = &pool->layers[pool->budget.entry_layer[e]];
-    struct empanel_tables * tb    = &layer->tables;
-    const int32_t s = e - layer->lru_base;
-    empanel_slots_recent_unlink(pool, e);
+// slot s of the layer, which the tables say holds an expert, holds nothing from now on: the
+// tables forget it (taken first by its layer), the budget no longer counts it and its pages go
+// back to the kernel (host pools)
+static void empty_slot(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s) {
+    struct empanel_tables * tb = &layer->tables;
+    empanel_slots_recent_unlink(pool, layer->lru_base + s);
     tb->slot_of[tb->expert_in[s]] = -1;
     tb->expert_in[s] = -1;
-    tb->last_use[s]  = 0; // empty: taken first by its layer
+    tb->last_use[s]  = 0;
     tb->uses[s]      = 0;
-    if (pool->budget.resident_bytes > pool->budget.bytes) {
-        pool->budget.given_back_bytes += layer->expert_bytes;
-    }
     pool->budget.resident_bytes -= layer->expert_bytes;
     empanel_slots_drop_prefetch(layer, s);
     empanel_slots_release(layer, s);
+}
+
+// entry e leaves its slot (empty_slot); bytes freed while over the budget count as given back
+static void evict(struct empanel_pool * pool, int32_t e) {
+    struct empanel_layer * layer = &pool->layers[pool->budget.entry_layer[e]];
+    if (pool->budget.resident_bytes > pool->budget.bytes) {
+        pool->budget.given_back_bytes += layer->expert_bytes;
+    }
+    empty_slot(pool, layer, e - layer->lru_base);
 }
 
 // evict least recent experts of any layer that may leave (evictable) until `need` more bytes fit
@@ -241,17 +246,9 @@ void empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * 
         for (int32_t i = 0; held && i < layer->n_tensors; i++) {
             held = layer->tensors[i].held[s] == e;
         }
-        if (e < 0 || held) {
-            continue;
+        if (e >= 0 && !held) {
+            empty_slot(pool, layer, s); // the budget no longer counts it: neither does memory
         }
-        tb->slot_of[e]   = -1;
-        tb->expert_in[s] = -1;
-        tb->uses[s]      = 0;
-        tb->last_use[s]  = 0;
-        empanel_slots_drop_prefetch(layer, s);
-        empanel_slots_recent_unlink(pool, layer->lru_base + s);
-        pool->budget.resident_bytes -= layer->expert_bytes;
-        empanel_slots_release(layer, s); // the budget no longer counts it: neither does memory
     }
     layer->waves.open        = 0;
     layer->guess.prefetch_open = 0;

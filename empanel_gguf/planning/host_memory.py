@@ -109,26 +109,28 @@ def memory_sources(proc="/proc/meminfo"):
     return out
 
 
-def source_left(source):
-    """Bytes a source (memory_sources) leaves, None if it has no limit or cannot be read."""
-    if "available" in source:
-        return meminfo(source["available"]).get(source["available_key"])
+def _cgroup_reading(source):
+    """(limit, usage not counting reclaimable page cache) of a cgroup source, None if it has no
+    limit or cannot be read."""
     limit, usage = read_int(source["limit"]), read_int(source["usage"])
     if limit is None or usage is None or limit >= _NO_LIMIT:
         return None
     reclaimable = (stat_value(source["stat"], source["stat_key"]) if source.get("stat") else None) or 0
-    return max(0, limit - max(0, usage - reclaimable))
+    return limit, max(0, usage - reclaimable)
+
+
+def source_left(source):
+    """Bytes a source (memory_sources) leaves, None if it has no limit or cannot be read."""
+    if "available" in source:
+        return meminfo(source["available"]).get(source["available_key"])
+    reading = _cgroup_reading(source)
+    return None if reading is None else max(0, reading[0] - reading[1])
 
 
 def _cgroup_limits():
     """[(limit, usage excluding inactive page cache)] of every limited memory cgroup around us."""
-    out = []
-    for source in memory_sources():
-        left = source_left(source) if "limit" in source else None
-        if left is not None:
-            limit = read_int(source["limit"])
-            out.append((limit, limit - left))
-    return out
+    readings = (_cgroup_reading(source) for source in memory_sources() if "limit" in source)
+    return [reading for reading in readings if reading is not None]
 
 
 def _vm_stat_available():
