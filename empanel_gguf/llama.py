@@ -20,7 +20,7 @@ from .planning.estimate import set_offload_probe, set_unified_probe
 from .planning.format import format_bytes
 from .planning.index import ModelError, load_index
 from .planning.options import OPTIONS, check_known, llama_args_doc, moe_options
-from .planning.plan import plan_load, print_notices, resolve_repack, stock_equivalent
+from .planning.plan import plan_load, print_notices, resolve_repack, stock_equivalent, stock_kwargs
 from .planning.sizing import parse_size
 from .engine.pools import ExpertPools, MoeReadError
 from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
@@ -75,6 +75,8 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"moe_load was planned for {moe_load.index.path}, not {model_path}")
         given = {o.name: moe.get(o.keyword, o.default) for o in OPTIONS}  # a stock load's options, unchecked
         self.moe_load = moe_load
+        self.moe_micro_batch = dict(moe_load.micro_batch) if moe_load is not None else {}  # n_batch, n_ubatch, flash_attn
+        kwargs.update(self.moe_micro_batch)
         self.moe_repack = moe_load.options.repack if moe_load is not None else resolve_repack(given["repack"], None)
         self.moe_mtp = moe_load.options.mtp if moe_load is not None else bool(given["mtp"])
         self.moe_slots = moe_load.moe_slots if moe_load is not None else None  # "auto" resolved
@@ -185,7 +187,8 @@ class Llama(llama_cpp.Llama):
 
     def moe_stats(self):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
-        "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit, and
+        "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit (and
+        "exact_kwargs": the arguments of that stock load here, Llama(path, moe_slots=None, ...)),
         "read_io": the read path taken ("threads" or "uring"), "budget": the live budget and its
         controller (moe_set_budget, moe_elastic); None without slot pools. With
         rpc_servers the total also has wire_sent, wire_received (bytes this process exchanged with
@@ -194,7 +197,9 @@ class Llama(llama_cpp.Llama):
             return None
         stats = self._experts.stats()
         options = self.moe_load.options if self.moe_load is not None else None
-        stats["exact_to"] = stock_equivalent(self.moe_repack, options.subst if options is not None else None)
+        subst = options.subst if options is not None else None
+        stats["exact_to"] = stock_equivalent(self.moe_repack, subst, self.moe_micro_batch)
+        stats["exact_kwargs"] = stock_kwargs(self.moe_repack, subst, self.moe_micro_batch)
         stats["read_io"] = self._experts.read_io()
         stats["budget"] = self._experts.budget()
         if self.rpc_servers:

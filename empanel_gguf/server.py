@@ -32,7 +32,7 @@ from typing import List, Optional
 from . import llama_cpp  # our libraries first
 from .planning.host_memory import available_memory, parse_floor, peak_rss
 from .planning.options import OPTIONS, moe_options
-from .planning.plan import parse_moe_slots, plan_load, print_notices
+from .planning.plan import BATCH_KWARGS, parse_moe_slots, plan_load, print_notices
 from .engine.pools import prometheus_label, prometheus_layers
 from .engine.stats import hit_rate
 from .llama import Llama as EmpanelLlama
@@ -194,8 +194,12 @@ class EmpanelLlamaProxy(_model.LlamaProxy):
         if settings.hf_model_repo_id is None and not settings.vocab_only:
             index = load_index(settings.model)
             lora = [settings.lora_path] if getattr(settings, "lora_path", None) else []
+            # n_batch, n_ubatch and flash_attn that the settings leave at llama_cpp.server's defaults
+            # are the plan's to choose (moe_batch); Llama takes its choice from the plan
+            given = {key: value for key, value in settings.model_dump().items()
+                     if key not in BATCH_KWARGS or key in settings.model_fields_set}
             load = plan_load(index, parse_moe_slots(getattr(settings, "moe_slots", None) or "auto"),
-                             settings.model_dump(), options=moe_options(**moe), lora_paths=lora,
+                             given, options=moe_options(**moe), lora_paths=lora,
                              floor=parse_floor(getattr(settings, "mem_floor", None)),
                              force=getattr(settings, "force", False), what=f"loading {alias}")
             print_notices(load.report())

@@ -5,7 +5,8 @@
 Loads the model as stock llama-cpp-python does (no slots, its defaults: n_batch and n_ubatch
 512), evaluates a prompt of token ids (the writer's files carry a dummy tokenizer) longer than a
 wave at the smallest pool, then decodes greedily; then the same with slot pools at the minimum
-(top-k) and at half the experts. The result, one JSON object:
+(top-k) and at half the experts, and (--variant plain) stock and the minimum again with the prompt in
+one call of several micro-batches (n_batch 256, n_ubatch 16). The result, one JSON object:
 
     {"arch", "file", "status": "ok" | "excluded" | "fail", "reason", "n_expert", "n_expert_used",
      "runs": [{"slots", "identical", "misses", "hits", "waves_per_batch"}]}
@@ -31,6 +32,8 @@ if str(REPO) not in sys.path:
 N_PROMPT = 80  # tokens: every expert of every layer is routed, several waves at top-k slots
 N_GREEDY = 8
 N_CTX = 256    # the writer's training context
+# the prompt in one call of 5 micro-batches (llama_decode splits it; each remaps on its own)
+SEVERAL_MICRO_BATCHES = {"n_batch": N_CTX, "n_ubatch": 16}
 
 
 def prompt_ids(n_vocab, n=N_PROMPT):
@@ -52,7 +55,7 @@ def evaluate(llm, prompt):
     return np.array(llm.scores[:llm.n_tokens], dtype=np.float32), tokens
 
 
-def run(path, moe_slots, variant):
+def run(path, moe_slots, variant, **llama):
     from empanel_gguf import Llama
 
     moe = {"moe_slots": moe_slots, "moe_profile": None} if moe_slots is not None else {}
@@ -60,7 +63,7 @@ def run(path, moe_slots, variant):
         moe["moe_prefetch"] = 1
     if variant == "mtp":
         moe["moe_mtp"] = True
-    llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, n_threads=2, verbose=False, **moe)
+    llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, n_threads=2, verbose=False, **moe, **llama)
     try:
         prompt = prompt_ids(llm.n_vocab())
         logits, tokens = evaluate(llm, prompt)
@@ -96,18 +99,28 @@ def check(path, variant="plain"):
             return dict(out, status="fail", reason=f"stock: {stock_error}; slot pools: {pool_error}")
         return dict(out, status="fail", reason=f"stock fails ({stock_error}) but slot pools do not")
     status, reasons = "ok", []
-    for slots in sorted({k, half}):
+    cases = [(slots, {}) for slots in sorted({k, half})]
+    if variant == "plain":  # several micro-batches in one llama_decode call, stock the same
+        cases.append((k, SEVERAL_MICRO_BATCHES))
+    for slots, llama in cases:
+        if llama:
+            try:
+                ref_logits, ref_tokens, _ = run(path, None, variant, **llama)
+            except Exception as e:  # noqa: BLE001
+                status = "fail"
+                reasons.append(f"stock with {llama}: {type(e).__name__}: {e}")
+                continue
         try:
-            logits, tokens, stats = run(path, slots, variant)
+            logits, tokens, stats = run(path, slots, variant, **llama)
         except Exception as e:  # noqa: BLE001
-            out["runs"].append({"slots": slots, "error": f"{type(e).__name__}: {e}"})
+            out["runs"].append({"slots": slots, **llama, "error": f"{type(e).__name__}: {e}"})
             status = "fail"
             reasons.append(f"{slots} slots: {type(e).__name__}: {e}")
             continue
         total = stats["total"] if stats else {}
         identical = logits.shape == ref_logits.shape and logits.tobytes() == ref_logits.tobytes() \
             and tokens == ref_tokens
-        out["runs"].append({"slots": slots, "identical": identical, "remaps": total.get("n_remaps", 0),
+        out["runs"].append({"slots": slots, **llama, "identical": identical, "remaps": total.get("n_remaps", 0),
                             "misses": total.get("misses", 0), "hits": total.get("hits", 0),
                             "waves_per_batch": round(total.get("waves_per_batch", 0), 2)})
         if not identical:
@@ -134,7 +147,8 @@ def doc_table(results):
              "| architecture | MoE layers | experts (used) | waves per micro-batch at top-k | misses at top-k / half |",
              "|---|---|---|---|---|"]
     for r in ok:
-        low, high = r["runs"][0], r["runs"][-1]
+        sized = [run for run in r["runs"] if "n_ubatch" not in run]
+        low, high = sized[0], sized[-1]
         lines.append(f"| `{r['arch']}` | {r['moe_layers']} | {r['n_expert']} ({r['n_expert_used']}) | "
                      f"{low['waves_per_batch']} | {low['misses']} / {high['misses']} |")
     if other:

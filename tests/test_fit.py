@@ -69,11 +69,11 @@ def test_fit_json_rows_follow_memory_and_are_saved(tmp_path):
 
 def test_fit_table_names_each_budget(tmp_path):
     model = _builtin()
-    out = _fit(model, "--memory", "81MiB,200MiB", "-t", "2", cache=tmp_path / "c")
+    out = _fit(model, "--memory", "82MiB,200MiB", "-t", "2", cache=tmp_path / "c")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert any(line.startswith("memory") and "decode t/s" in line and "bound" in line for line in lines)
-    assert any(line.startswith("81.00 MiB") for line in lines) and any(line.startswith("200.00 MiB") for line in lines)
+    assert any(line.startswith("82.00 MiB") for line in lines) and any(line.startswith("200.00 MiB") for line in lines)
     assert "compute" in out.stdout and "O_DIRECT" in out.stdout
 
 

@@ -41,11 +41,13 @@ def run(path, moe_slots, **moe):
         llm.close()
 
 
-def stock(path, repack):
-    """Stock llama.cpp, every expert resident, in the layout asked (repack: its defaults)."""
-    key = (str(path), repack)
+def stock(path, stats):
+    """Stock llama.cpp, every expert resident, as the pooled run with these stats names it
+    (moe_stats()["exact_kwargs"]: the layout and the plan's micro-batch)."""
+    kwargs = stats["exact_kwargs"]
+    key = (str(path), tuple(sorted(kwargs.items())))
     if key not in _stock:
-        _stock[key] = run(path, None, moe_repack=repack)
+        _stock[key] = run(path, None, **kwargs)
     return _stock[key]
 
 
@@ -59,7 +61,7 @@ def test_both_paths_equal_stock(fixture_dir, read_io, name):
         logits, tokens, stats = run(path, moe_slots)
         assert stats["read_io"] == read_io
         assert stats["total"]["misses"] > 0
-        ref_logits, ref_tokens, _ = stock(path, stats["exact_to"] != "llama.cpp --no-repack")
+        ref_logits, ref_tokens, _ = stock(path, stats)
         assert tokens == ref_tokens, moe_slots
         assert np.array_equal(logits, ref_logits), moe_slots
 
@@ -71,11 +73,11 @@ def test_read_ahead_beside_the_layers_reads(fixture_dir, read_io, name):
     them (prefetch_beside counts such read-aheads); with 1 and 2 layers ahead, short reads, on
     this path: stock --no-repack's logits and tokens."""
     path = fixtures.write_fixture(name, fixture_dir)
-    ref_logits, ref_tokens, _ = stock(path, False)
     for prefetch in (1, 2):
         logits, tokens, stats = run(path, "25%", moe_prefetch=prefetch)
+        ref_logits, ref_tokens, _ = stock(path, stats)
         t = stats["total"]
-        assert stats["exact_to"] == "llama.cpp --no-repack" and stats["read_io"] == read_io
+        assert stats["exact_to"].startswith("llama.cpp --no-repack") and stats["read_io"] == read_io
         assert t["prefetched"] > 0 and t["prefetch_beside"] > 0 and t["overlapped"] > 0, t
         assert tokens == ref_tokens and np.array_equal(logits, ref_logits), prefetch
 
@@ -89,7 +91,7 @@ def test_short_reads_are_read_to_the_end(fixture_dir, read_io, monkeypatch, dire
     monkeypatch.setenv("EMPANEL_FAULT_SHORT_READS", "1")
     logits, tokens, stats = run(path, "25%", moe_direct_io=direct_io)
     assert stats["read_io"] == read_io and stats["total"]["misses"] > 0
-    ref_logits, ref_tokens, _ = stock(path, False)
+    ref_logits, ref_tokens, _ = stock(path, stats)
     assert tokens == ref_tokens
     assert np.array_equal(logits, ref_logits)
 
@@ -103,7 +105,7 @@ def test_refused_io_uring_falls_back_to_threads(fixture_dir, monkeypatch, capfd)
     logits, tokens, stats = run(path, "25%", moe_read_io="uring", verbose=True)
     assert stats["read_io"] == "threads"
     assert "io_uring is not available (refused: EMPANEL_FAULT_URING): reading with threads" in capfd.readouterr().err
-    ref_logits, ref_tokens, _ = stock(path, False)
+    ref_logits, ref_tokens, _ = stock(path, stats)
     assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
 
 
@@ -165,9 +167,10 @@ def test_a_refused_submission_fails_once_then_preads(fixture_dir, monkeypatch):
         assert llm.moe_stats()["read_io"] == "threads"
         llm.reset()
         logits, got = greedy_logits(llm, tokens, N_GREEDY)
+        stats = llm.moe_stats()
     finally:
         llm.close()
-    ref_logits, ref_tokens, _ = stock(path, False)
+    ref_logits, ref_tokens, _ = stock(path, stats)
     assert got == ref_tokens and np.array_equal(logits, ref_logits)
 
 

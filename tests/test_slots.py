@@ -4,7 +4,9 @@ where the pools hold every expert, --no-repack where they page), micro-batch inc
 
 No micro-batch cap: a micro-batch whose tokens route to more distinct experts than a pool holds
 runs in waves (each wave's experts resident, its pairs computed by the same kernels, written into
-one output), so every run uses llama-cpp-python's default n_batch / n_ubatch (512) like stock.
+one output). Every run leaves llama-cpp-python's arguments as they are: where the pools page, the
+plan's micro-batch (moe_batch "auto": n_batch = n_ubatch = n_ctx here, flash attention) applies,
+and the stock run compared is the one the pooled run names (moe_stats()["exact_kwargs"]).
 """
 
 import re
@@ -22,7 +24,7 @@ from empanel_gguf.planning.sizing import plan_slots
 PROMPT = b"The quick brown fox jumps over the lazy dog, and then"
 OTHER_PROMPTS = (b"Once upon a time in a land far away", b"1, 2, 3, 4, 5, 6, 7, 8")
 N_GREEDY = 16
-PROMPT_LENGTHS = (1, 9, 100, 700)  # 700: more than one micro-batch and more than n_batch (512)
+PROMPT_LENGTHS = (1, 9, 100, 700)  # 700: one call in waves (the plan's micro-batch); stock's: two calls
 LONG_TEXT = b" ".join(b"%d: the %s fox and the %s dog, seen %d times." % (i, b"quick" if i % 3 else b"slow",
                       b"lazy" if i % 2 else b"old", i * 7) for i in range(200))
 N_CTX = 1024
@@ -53,19 +55,18 @@ def run_stock_defaults(path, n_prompt, moe_slots, n_greedy=N_GREEDY, **moe):
 _baselines = {}
 
 
-def stock_repack(stats):
-    """The layout of the stock run a pooled run equals: its defaults (CPU repack buffers) unless
-    the run names --no-repack (moe_repack auto pages plain pools)."""
-    return stats is None or stats["exact_to"] != "llama.cpp --no-repack"
+def stock_kwargs(stats):
+    """The arguments of the stock run a pooled run equals (moe_stats()["exact_kwargs"]): the
+    layout (moe_repack auto pages plain pools: --no-repack) and the plan's micro-batch."""
+    return {"moe_repack": True} if stats is None else stats["exact_kwargs"]
 
 
 def baseline(path, n_prompt, stats=None):
-    """Stock llama.cpp with every expert resident, in the layout that the pooled run with these
-    stats names (moe_stats()["exact_to"]): its defaults, or --no-repack."""
-    repack = stock_repack(stats)
-    key = (str(path), n_prompt, repack)
+    """Stock llama.cpp with every expert resident, as the pooled run with these stats names it."""
+    kwargs = stock_kwargs(stats)
+    key = (str(path), n_prompt, tuple(sorted(kwargs.items())))
     if key not in _baselines:
-        _baselines[key] = run_stock_defaults(path, n_prompt, None, moe_repack=repack)
+        _baselines[key] = run_stock_defaults(path, n_prompt, None, **kwargs)
     return _baselines[key]
 
 
@@ -86,14 +87,17 @@ def test_bit_identical_to_stock_defaults(fixture_dir, name, moe_slots):
         logits, tokens, stats, n_ubatch = run_stock_defaults(path, n_prompt, moe_slots)
         ref_logits, ref_tokens, ref_stats, ref_ubatch = baseline(path, n_prompt, stats)
         assert ref_stats is None
-        assert n_ubatch == ref_ubatch == 512  # no cap: stock's own micro-batch
+        # stock's own micro-batch where the pools hold every expert; where they page, the plan's:
+        # each prompt call of up to n_ctx tokens one micro-batch
+        assert n_ubatch == ref_ubatch == (512 if plan.holds_all else N_CTX)
         assert tokens == ref_tokens, f"{n_prompt} prompt tokens"
         assert logits.shape == ref_logits.shape
         assert np.array_equal(logits, ref_logits), \
             f"{n_prompt} prompt tokens: max |diff| {np.abs(logits - ref_logits).max()}"
 
         # auto layout: stock's defaults where the pools hold every expert, --no-repack where they page
-        assert stats["exact_to"] == ("llama.cpp with its defaults" if plan.holds_all else "llama.cpp --no-repack")
+        assert stats["exact_to"] == ("llama.cpp with its defaults" if plan.holds_all
+                                     else f"llama.cpp --no-repack -b {N_CTX} -ub {N_CTX} -fa on")
         total = stats["total"]
         assert total["n_slots"] == sum(plan.n_slots)
         if plan.holds_all:
@@ -164,14 +168,15 @@ def test_no_repack_is_stock_no_repack(fixture_dir, name, capfd):
         finally:
             llm.close()
 
-    ref, ref_tokens, _ = run()
     capfd.readouterr()
     got, tokens, stats = run(moe_slots=4, moe_prefetch=0)  # (read-ahead dropped mid-expert bounces its edges)
     err = capfd.readouterr().err
     assert "CPU slot pools size" in err and "CPU_REPACK slot pools" not in err, err[-2000:]
+    ref, ref_tokens, _ = run(**{k: v for k, v in stats["exact_kwargs"].items() if k != "moe_repack"})
     assert stats["total"]["n_waves"] > stats["total"]["n_remaps"]  # the prompt ran in waves
     assert tokens == ref_tokens and np.array_equal(got, ref), np.abs(got - ref).max()
-    assert stats["exact_to"] == "llama.cpp --no-repack"  # the stock command that reproduces them
+    # the stock command that reproduces them (the plan's micro-batch: n_batch = n_ubatch = n_ctx)
+    assert stats["exact_to"] == f"llama.cpp --no-repack -b {N_CTX} -ub {N_CTX} -fa on"
     if name == "qwen3moe-q4_k":  # 36 KiB experts: all but the window's edge blocks land in the slots
         assert stats["total"]["bounce_bytes"] <= stats["total"]["bytes_read"] // 9
 
@@ -220,13 +225,16 @@ def test_prefetch_auto_is_a_rule(fixture_dir):
     assert load.options.prefetch == 0 and load.pools.params["prefetch"] == 0
 
 
-def test_each_expert_read_once_per_micro_batch(fixture_dir):
+@pytest.mark.parametrize("moe_batch,n_calls", [("stock", 2), ("auto", 1)])
+def test_each_expert_read_once_per_micro_batch(fixture_dir, moe_batch, n_calls):
     """A 700-token prompt through 4 of 16 slots: per layer and micro-batch, misses never exceed
     the distinct experts it routes to (each is read once, not once per wave or per tensor), and
-    the bytes read are exactly the misses' experts."""
+    the bytes read are exactly the misses' experts. At stock's micro-batch the prompt is two
+    (512 + 188 tokens); at the plan's (moe_batch "auto") one: each expert is read once per prompt."""
     path = fixtures.write_fixture("qwen3moe-f16", fixture_dir)
     index = load_index(path)
-    llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, verbose=False, moe_slots=4, moe_trace=True)
+    llm = Llama(str(path), n_ctx=N_CTX, logits_all=True, verbose=False, moe_slots=4, moe_trace=True,
+                moe_batch=moe_batch)
     try:
         tokens = prompt_tokens(llm, 700)
         llm.eval(tokens)
@@ -242,7 +250,7 @@ def test_each_expert_read_once_per_micro_batch(fixture_dir):
         distinct[layer] = distinct.get(layer, 0) + len(set(ids.tolist()))
         i += 3 + n_tok * n_used
     for il, row in stats["layers"].items():
-        assert row["n_remaps"] == 2  # 512 + 188 tokens
+        assert row["n_remaps"] == n_calls
         assert row["hits"] + row["misses"] == distinct[il]
         assert row["bytes_read"] == row["misses"] * index.layer(il).expert_bytes
         assert row["n_waves"] > 2 * 2  # 16 distinct experts, 2 per wave
@@ -255,8 +263,8 @@ def test_four_sequences_in_one_batch(fixture_dir):
     path = fixtures.write_fixture("qwen3moe-q8_0", fixture_dir)
     texts = [b"The quick brown fox", b"jumps over the lazy dog and runs", b"1, 2, 3, 4, 5", b"Once upon a time"]
 
-    def embed(moe_slots):
-        llm = Llama(str(path), n_ctx=N_CTX, embedding=True, verbose=False, moe_slots=moe_slots)
+    def embed(moe_slots, **kwargs):
+        llm = Llama(str(path), n_ctx=N_CTX, embedding=True, verbose=False, moe_slots=moe_slots, **kwargs)
         try:
             assert llm.context_params.n_seq_max >= 4
             out = llm.embed([t.decode() for t in texts])
@@ -264,9 +272,9 @@ def test_four_sequences_in_one_batch(fixture_dir):
         finally:
             llm.close()
 
-    ref, _ = embed(None)
     for moe_slots in (4, "25%", 8):
         got, stats = embed(moe_slots)
+        ref, _ = embed(None, **stats["exact_kwargs"])
         assert len(got) == len(ref) == 4
         for g, r in zip(got, ref):
             assert g.shape == r.shape and np.array_equal(g, r)
@@ -440,11 +448,10 @@ def test_decode_reads_overlap_the_compute(fixture_dir, name, monkeypatch):
     path = fixtures.write_fixture(name, fixture_dir)
     layered = len(load_index(path).layers) > 1
     for repack in (True, False):
-        ref_logits, ref_tokens, _, _ = (baseline(path, 9) if repack else
-                                        run_stock_defaults(path, 9, None, moe_repack=False))
         for prefetch, read_io in ((0, "auto"), (1, "auto"), (1, "threads")):
             logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=prefetch,
                                                           moe_read_io=read_io)
+            ref_logits, ref_tokens, _, _ = baseline(path, 9, stats)
             assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, prefetch, read_io)
             t = stats["total"]
             if not repack:  # every decoded token but the first (the ready calls are seen first)
@@ -479,13 +486,12 @@ def test_read_ahead_not_routed_is_dropped(fixture_dir, name, monkeypatch):
     read-ahead kept (EMPANEL_READ_AHEAD_KEEP=1). Logits stay those of stock, repacked and plain."""
     path = fixtures.write_fixture(name, fixture_dir)
     for repack in (True, False):
-        ref_logits, ref_tokens, _, _ = (baseline(path, 9) if repack else
-                                        run_stock_defaults(path, 9, None, moe_repack=False))
         runs = {}
         for keep in ("0", "1"):
             monkeypatch.setenv("EMPANEL_READ_AHEAD_KEEP", keep)
             logits, tokens, stats, _ = run_stock_defaults(path, 9, "25%", moe_repack=repack, moe_prefetch=1,
                                                           moe_io_threads=0)
+            ref_logits, ref_tokens, _, _ = baseline(path, 9, stats)
             assert tokens == ref_tokens and np.array_equal(logits, ref_logits), (repack, keep)
             runs[keep] = stats["total"]
         dropped, kept = runs["0"], runs["1"]
@@ -509,7 +515,7 @@ def test_glru_reads_ahead_with_a_full_budget(fixture_dir):
     other layer's expert goes): read-ahead keeps running for the whole decode, logits exact."""
     path = fixtures.write_fixture("qwen3moe-f32", fixture_dir)
     logits, tokens, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=32, moe_policy="g-lru", moe_prefetch=1)
-    ref_logits, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=32, moe_repack=stock_repack(stats))
+    ref_logits, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=32, **stock_kwargs(stats))
     assert tokens == ref_tokens and np.array_equal(logits, ref_logits)
     t = stats["total"]
     # a budget of 4 experts per layer is full after the prompt; most decoded tokens still read ahead
@@ -523,7 +529,7 @@ def test_substitution_changes_outputs_only_when_on(fixture_dir):
 
     path = fixtures.write_fixture("qwen3moe-f32", fixture_dir)
     exact, exact_tokens, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=24)
-    ref, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=24, moe_repack=stock_repack(stats))
+    ref, ref_tokens, _, _ = run_stock_defaults(path, 9, None, n_greedy=24, **stock_kwargs(stats))
     assert np.array_equal(exact, ref) and stats["total"]["substituted"] == 0
     approx, _, stats, _ = run_stock_defaults(path, 9, 4, n_greedy=24, moe_subst=0.3)
     assert stats["total"]["substituted"] > 0 and not np.array_equal(approx, ref)

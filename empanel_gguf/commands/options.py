@@ -110,12 +110,13 @@ def add_load_args(parser):
     env_arg(parser, "--rpc", env="LLAMA_ARG_RPC", default=None, metavar="HOST:PORT,...", show_default="none",
             help="ggml-rpc-server processes to place the offloaded layers (and their slot pools) on, as "
                  "llama.cpp's --rpc (empanel-gguf rpc-server starts one)")
-    env_arg(parser, "-b", "--batch-size", env="LLAMA_ARG_BATCH", type=int, default=512,
-            help="logical batch size")
-    env_arg(parser, "-ub", "--ubatch-size", env="LLAMA_ARG_UBATCH", type=int, default=512,
+    env_arg(parser, "-b", "--batch-size", env="LLAMA_ARG_BATCH", type=int, default=None,
+            show_default="512; where pools page, --moe-batch's", help="logical batch size")
+    env_arg(parser, "-ub", "--ubatch-size", env="LLAMA_ARG_UBATCH", type=int, default=None,
+            show_default="512; where pools page, --moe-batch's",
             help="physical batch size (a micro-batch whose experts exceed a pool runs in waves)")
-    env_arg(parser, "-fa", "--flash-attn", env="LLAMA_ARG_FLASH_ATTN", type=parse_bool, default=False,
-            metavar="on|off", help="flash attention")
+    env_arg(parser, "-fa", "--flash-attn", env="LLAMA_ARG_FLASH_ATTN", type=parse_bool, default=None,
+            metavar="on|off", show_default="off; where pools page, --moe-batch's", help="flash attention")
 
 
 def add_moe_args(parser, moe_slots_default="auto"):
@@ -134,8 +135,10 @@ def llama_kwargs(args, n_ctx):
     """The Llama arguments of the options add_load_args added. With --rpc the servers are
     registered here, before the plan's estimate looks at the devices (RpcError if one cannot be
     used)."""
-    kwargs = dict(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=args.ubatch_size, n_threads=args.threads,
-                  n_threads_batch=args.threads_batch, flash_attn=args.flash_attn, verbose=args.verbose)
+    kwargs = dict(n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads_batch, verbose=args.verbose)
+    for key, value in (("n_batch", args.batch_size), ("n_ubatch", args.ubatch_size), ("flash_attn", args.flash_attn)):
+        if value is not None:  # unset: llama-cpp-python's default, or the plan's (moe_batch)
+            kwargs[key] = value
     kwargs["n_gpu_layers"] = args.n_gpu_layers
     if args.rpc:
         from ..engine.rpc import use_servers

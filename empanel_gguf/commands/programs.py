@@ -91,7 +91,7 @@ _MODEL_FLAGS = ("-m", "--model")
 _VALUE_FLAGS = {"-c": "ctx", "--ctx-size": "ctx", "-b": "batch", "--batch-size": "batch", "-ub": "ubatch",
                 "--ubatch-size": "ubatch", "-ngl": "ngl", "--gpu-layers": "ngl", "--n-gpu-layers": "ngl",
                 "-p": "n_prompt", "--n-prompt": "n_prompt", "-n": "n_gen", "--n-gen": "n_gen",
-                "--rpc": "rpc", "--spec-type": "spec_type"}
+                "--rpc": "rpc", "--spec-type": "spec_type", "-fa": "fa", "--flash-attn": "fa"}
 _LORA_FLAGS = ("--lora", "--lora-scaled")
 
 
@@ -125,7 +125,7 @@ def program_flags(flags, lists=False):
         found["model"] = [os.environ["LLAMA_ARG_MODEL"]]
     for key, env in (("ctx", "LLAMA_ARG_CTX_SIZE"), ("batch", "LLAMA_ARG_BATCH"), ("ubatch", "LLAMA_ARG_UBATCH"),
                      ("ngl", "LLAMA_ARG_N_GPU_LAYERS"), ("rpc", "LLAMA_ARG_RPC"),
-                     ("spec_type", "LLAMA_ARG_SPEC_TYPE")):
+                     ("spec_type", "LLAMA_ARG_SPEC_TYPE"), ("fa", "LLAMA_ARG_FLASH_ATTN")):
         if key not in found and os.environ.get(env):
             found[key] = os.environ[env]
     return found
@@ -174,13 +174,34 @@ def plan_for_program(name, args, flags):
     index = load_index(models[0], mtp=loads_mtp)
     moe_slots = parse_moe_slots(args.moe_slots if args.moe_slots is not None else "auto")
     shape = model_shape(index)
-    kwargs = {"n_ctx": planned_n_ctx(name, values, shape), "n_batch": _int_or(values.get("batch"), 2048),
-              "n_ubatch": _int_or(values.get("ubatch"), 512), "n_gpu_layers": _int_or(values.get("ngl"), 0)}
+    kwargs = {"n_ctx": planned_n_ctx(name, values, shape), "n_gpu_layers": _int_or(values.get("ngl"), 0)}
+    fa_off = values.get("fa") in ("off", "0", "false")
+    if name not in BATCH_PROGRAMS or fa_off or values.get("batch") is not None or values.get("ubatch") is not None:
+        # the program's own micro-batch (else the plan's, --moe-batch: batch_flags gives it)
+        kwargs.update(n_batch=_int_or(values.get("batch"), 2048), n_ubatch=_int_or(values.get("ubatch"), 512),
+                      flash_attn=not fa_off)
     if values.get("rpc"):  # the program registers the servers: their layers are not held here
         kwargs["gpu_offload"] = True
         kwargs["n_gpu_layers"] = _int_or(values.get("ngl"), -1)
     load = plan_from_args(index, args, moe_slots, kwargs, lora_paths=values["lora"])
     return load if load.pools is not None else None
+
+
+# the programs whose prompts the plan's micro-batch serves (--moe-batch); llama-bench measures the
+# -b / -ub it is given, llama-perplexity sizes its batches from its own -c
+BATCH_PROGRAMS = ("llama-server", "llama-cli")
+
+
+def batch_flags(load):
+    """The flags that give a program the plan's micro-batch (LoadPlan.batch): -b, -ub and -fa on
+    (llama.cpp's own default, -fa auto, turns it on for the CPU too; said explicitly here, as the
+    stock command the outputs equal names it)."""
+    if not load.micro_batch:
+        return []
+    flags = ["-b", str(load.micro_batch["n_batch"]), "-ub", str(load.micro_batch["n_ubatch"])]
+    if load.micro_batch.get("flash_attn"):
+        flags += ["-fa", "on"]
+    return flags
 
 
 def run_program(path, flags, env):
@@ -246,6 +267,7 @@ def main(name, argv=None):
         if load is None:
             note(f"{name} runs without slot pools")
             return run_program(path, flags, env)
+        flags = flags + batch_flags(load)
         # the program's libllama loads the libempanel next to itself (the same build)
         env["EMPANEL_PLAN"] = str(plan_path)
         rc = run_program(path, flags, env)
@@ -260,7 +282,7 @@ def main(name, argv=None):
     # llama.cpp's programs may first load the model without memory to size it (common's fit):
     # such a load never runs, and only the loads that did are reported
     ran = [stats for stats in loads if stats["total"]["n_remaps"] or stats["total"]["preloaded"]] or loads[-1:]
-    exact_to = stock_equivalent(repack, getattr(args, "moe_subst", None))
+    exact_to = stock_equivalent(repack, getattr(args, "moe_subst", None), load.micro_batch)
     for i, stats in enumerate(ran):
         prefix = f"load {i + 1} of {len(ran)}: " if len(ran) > 1 else ""
         note(prefix + summary_line(stats).removeprefix("empanel: ") +

@@ -119,6 +119,22 @@ def _budget(value):
     return size
 
 
+def parse_batch(text):
+    """--moe-batch: auto, stock, or a number of tokens."""
+    value = str(text).strip().lower()
+    if value in ("auto", "stock"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"not auto, stock or a number of tokens: {text!r}")
+
+
+def _batch(value):
+    if value not in ("auto", "stock") and (not _is_int(value) or value < 1):
+        raise ValueError("'auto', 'stock' or a number of tokens per micro-batch")
+    return value
+
+
 def _repack(value):
     if value != "auto" and not isinstance(value, bool):
         raise ValueError("'auto', True (llama.cpp's defaults: CPU repack buffers) or False (--no-repack: plain pools)")
@@ -277,6 +293,17 @@ OPTIONS = (
                 "page (plain pools: reads land in the slots, nothing is repacked; faster there); on: stock's "
                 "defaults always; off: as llama.cpp's --no-repack always. The report names the stock command "
                 "the outputs equal"),
+    Option("batch", "auto", parse=parse_batch, metavar="auto|stock|N", check=_batch,
+           doc='the micro-batch where the pools page. "auto": a prompt goes in calls of up to 2,048 tokens '
+               "(at most n_ctx), each one micro-batch (n_batch = n_ubatch) with flash attention, so that "
+               "each expert is read once per call instead of once per 512 tokens; it applies where the pools "
+               "page in host memory, n_ctx is above 512 and none of n_batch, n_ubatch and flash_attn is "
+               "given (those keep what they ask). N: that many tokens (flash attention on unless "
+               'flash_attn is given). "stock": llama-cpp-python\'s own settings. Outputs equal stock '
+               "llama.cpp with the same -b, -ub and -fa; moe_stats()[\"exact_to\"] names them.",
+           help="the micro-batch where the pools page: auto (default) evaluates a prompt in calls of up to "
+                "2048 tokens, one micro-batch each with flash attention (each expert read once per call); "
+                "stock: the usual 512; N: that many tokens. -b, -ub or -fa given keep theirs"),
     Option("elastic", None, parse=auto_bool, metavar="auto|on|off", show_default="auto",
            doc="pools that give memory back: a controller in the sidecar watches the memory limit that binds "
                "(the memory cgroup, else MemAvailable) and lowers the live budget of resident experts at once "

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..abi.header import READ_IO, policy_id
-from .estimate import Estimate, estimate, model_shape, unified_devices, waves_may_be_masked
+from .estimate import Estimate, estimate, model_shape, resolve_n_ctx, unified_devices, waves_may_be_masked
 from .format import format_bytes
-from .guard import check, max_slots_that_fit
+from .guard import MemoryRefused, check, max_slots_that_fit
 from .host_memory import available_memory, default_floor, memory_sources
 from .index import adapter_expert_tensors
 from .options import OPTION, MoeOptions
@@ -69,13 +69,58 @@ def resolve_prefetch(prefetch, plan, repack: bool, policy: str, guess: bool = Tr
     return prefetch
 
 
-def stock_equivalent(repack: bool, subst=None) -> str:
+def stock_equivalent(repack: bool, subst=None, batch=None) -> str:
     """The stock llama.cpp configuration whose logits a load with these options reproduces bit for
     bit: the same weight layout (repack: stock's defaults, which repack on the CPU where ggml has a
-    repacked layout for the type; else --no-repack), with every expert in memory."""
+    repacked layout for the type; else --no-repack), the same micro-batch and attention (batch:
+    the Llama arguments the plan set, LoadPlan.batch), with every expert in memory."""
     if subst is not None:
         return "none: routing substitution (moe_subst) changes the routing"
-    return "llama.cpp with its defaults" if repack else "llama.cpp --no-repack"
+    flags = [] if repack else ["--no-repack"]
+    if batch:
+        flags += [f"-b {batch['n_batch']}", f"-ub {batch['n_ubatch']}"]
+        if "flash_attn" in batch:
+            flags.append("-fa " + ("on" if batch["flash_attn"] else "off"))
+    return "llama.cpp " + " ".join(flags) if flags else "llama.cpp with its defaults"
+
+
+def stock_kwargs(repack: bool, subst=None, batch=None) -> dict | None:
+    """stock_equivalent as the Llama(...) arguments of that stock load (moe_slots=None), None where
+    there is none: what a check of the logits loads to compare."""
+    if subst is not None:
+        return None
+    return {"moe_repack": bool(repack), **(batch or {})}
+
+
+PROMPT_UBATCH = 2048  # tokens per call and micro-batch where pools page (moe_batch "auto")
+BATCH_KWARGS = ("n_batch", "n_ubatch", "flash_attn")
+
+
+def planned_batch(batch, moe_slots, given, n_ctx) -> dict:
+    """moe_batch -> the Llama arguments a load with pools plans with ({}: the caller's own, or
+    llama-cpp-python's 512 without flash attention). Each prompt call of n_batch tokens is then
+    one micro-batch, whose waves read each expert at most once: a 2,048-token prompt reads the
+    experts once, not once per 512 tokens, and flash attention keeps its compute buffer small
+    (385 MiB at 2,048 tokens on the 30B shape, 2.3 GiB without it at n_ctx 8,448). "auto" plans it
+    where n_ctx is above 512 and none of BATCH_KWARGS is given (the caller's choice stands); a
+    number of tokens asks for it (ValueError beside n_batch or n_ubatch). plan_load drops it again
+    where the pools end up holding every expert: nothing pages there, and stock's defaults stand."""
+    if batch == "stock" or moe_slots is None:
+        return {}
+    if batch == "auto":
+        # (not where layers are offloaded or waves may be masked: device pools, op offload)
+        if any(given.get(key) is not None for key in BATCH_KWARGS) or given.get("n_gpu_layers") or \
+                waves_may_be_masked():
+            return {}
+        tokens = min(n_ctx, PROMPT_UBATCH)
+        return {"n_batch": tokens, "n_ubatch": tokens, "flash_attn": True} if tokens > 512 else {}
+    if given.get("n_batch") is not None or given.get("n_ubatch") is not None:
+        raise ValueError(f"moe_batch={batch!r} with n_batch / n_ubatch: give one or the other")
+    tokens = min(n_ctx, int(batch))
+    out = {"n_batch": tokens, "n_ubatch": tokens}
+    if given.get("flash_attn") is None:
+        out["flash_attn"] = True
+    return out
 
 
 def host_cache_bytes(host_cache, est, unified_devices=0, allow_unified=False) -> int:
@@ -175,6 +220,8 @@ class LoadPlan:
     pinned: bool = False         # the pools hold every expert, e in slot e: stock's graph, no remap op
     controller: dict | None = None  # moe_elastic's controller: {"reserve": bytes kept free, "interval_ms", "sources":
                                  # host_memory.memory_sources()}; None: the budget moves only when asked
+    micro_batch: dict = field(default_factory=dict)  # moe_batch: Llama arguments the plan sets (n_batch,
+                                 # n_ubatch, flash_attn); the faces pass them on
 
     def report(self, verbose=True):
         """The lines a face logs before the load: the warnings always; with verbose the notices and
@@ -232,10 +279,26 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
     given = llama_kwargs or {}
-    kwargs = {key: given.get(key, default) for key, default in ESTIMATE_KWARGS.items()}
+    # (a commands' n_batch / n_ubatch / flash_attn left unset is None: llama-cpp-python's default)
+    kwargs = {key: default if given.get(key) is None else given[key] for key, default in ESTIMATE_KWARGS.items()}
     kwargs["shape"] = model_shape(index)
     available = available_memory() if available is None else available
     floor = default_floor() if floor is None else floor
+    batch = planned_batch(options.batch, moe_slots if index.is_moe else None, given,
+                          resolve_n_ctx(kwargs["shape"], kwargs["n_ctx"]))
+    if batch:
+        try:
+            load = plan_load(index, moe_slots, {**given, **batch}, options=replace(options, batch="stock"),
+                             lora_paths=lora_paths, floor=floor, force=force, guard=guard, available=available,
+                             what=what)
+        except MemoryRefused:
+            load = None  # the larger compute buffer does not fit: llama-cpp-python's own micro-batch
+        if load is not None and load.plan is not None and not load.plan.holds_all:  # the pools page
+            load.micro_batch = batch
+            load.notes.append(f"moe-batch: prompts in calls of up to {batch['n_batch']} tokens, one micro-batch "
+                              "each" + (" with flash attention" if batch.get("flash_attn") else "")
+                              + ": each expert read once per call")
+            return load
     notes = []
 
     # pools that give memory back may take more of it: half the floor stays free (the controller's

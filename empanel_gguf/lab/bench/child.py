@@ -212,9 +212,12 @@ def _join_cgroup(spec):
 
 
 def _llama_kwargs(spec) -> dict:
-    kwargs = dict(n_ctx=spec["n_ctx"], n_batch=spec["n_batch"], n_ubatch=spec["n_ubatch"],
-                  n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=False,
-                  seed=0, verbose=True)
+    kwargs = dict(n_ctx=spec["n_ctx"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                  logits_all=False, seed=0, verbose=True)
+    for key in ("n_batch", "n_ubatch"):
+        if spec.get(key) is not None:  # else each run's own: 512 for stock, the plan's for pools (moe_batch)
+            kwargs[key] = spec[key]
+    kwargs.update(spec.get("batch") or {})  # the ceiling: the pools' micro-batch
     kwargs.update(spec.get("llama_opts") or {})
     if spec["kind"] == EMPANEL:
         kwargs.update(spec.get("moe_opts") or {})
@@ -351,6 +354,7 @@ def _result(spec, llm, load_s, rss, warmup, pp, tg, moe_total) -> dict:
         "load_s": load_s,
         "n_ubatch": int(llm.context_params.n_ubatch),
         "n_batch": int(llm.n_batch),
+        "flash_attn": bool(llm.context_params.flash_attn_type > 0),
         "n_threads": spec["threads"],
         "rss_baseline": rss["baseline"],
         "rss_after_load": rss["after_load"].get("VmRSS"),

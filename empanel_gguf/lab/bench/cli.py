@@ -21,7 +21,7 @@ from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
 from .runs import Bench, median, build_rows, log, run_child, sample_metrics
-from .report import details_table, fmt, fmt_bytes, main_table, model_label, neighbour_table
+from .report import details_table, fmt, fmt_bytes, main_table, model_label, neighbour_table, prompt_table
 
 
 def build_info() -> dict:
@@ -130,9 +130,12 @@ def setup_arg_parser():
     g.add_argument("-n", "--n-gen", type=int, default=32, help="decoded tokens (default: 32)")
     g.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
     g.add_argument("-c", "--n-ctx", type=int, default=None, help="context (default: the longer of prompt and warm-up prompt, + gen + 16)")
-    g.add_argument("-b", "--n-batch", type=int, default=512, help="(default: 512)")
-    g.add_argument("-ub", "--n-ubatch", type=int, default=512,
-                   help="(default: 512; slot runs keep it: micro-batches larger than the pools run in waves)")
+    g.add_argument("-b", "--n-batch", type=int, default=None,
+                   help="(default: each run's own: llama-cpp-python's 512 for stock, the plan's micro-batch for "
+                        "pools that page (moe_batch), the pools' for the ceiling)")
+    g.add_argument("-ub", "--n-ubatch", type=int, default=None,
+                   help="(default: as -b; given, every run uses it: micro-batches larger than the pools run in "
+                        "waves)")
     g.add_argument("--configs", default=None,
                    help="comma list of stock, stock/plain (--no-repack), stock-mmap, stock-mmap-ra<KB>, empanel-<N|P%|size|min|auto>"
                         "[/<moe_policy>][/plain][/bounce][/sync][/<key>=<value>][/EMPANEL_<NAME>=<value>] (moe_<key>, "
@@ -253,6 +256,8 @@ def main(argv=None, reports=()) -> int:
         tables = {"main": main_table(bench, rows), "details": details_table(bench, rows)}
         if args.neighbour:
             tables["neighbour"] = neighbour_table(bench, rows)
+        if args.no_warmup:  # the measured prompt is cold: as a user meets it
+            tables["prompt"] = prompt_table(bench, rows)
         for title, report in reports:  # e.g. an issue's targets (scripts/bench.py)
             tables[title] = report(bench, rows)
         write_json(bench, configs, rows, tables)
@@ -386,6 +391,8 @@ def _print_summary(bench: Bench, tables, reports, t_start):
     print(f"{tables['details']}\n")
     if "neighbour" in tables:
         print(f"{tables['neighbour']}\n")
+    if "prompt" in tables:
+        print(f"{tables['prompt']}\n")
     drives = [f"{d['when']} {d['gbps']:.2f}" for d in bench.drive if d.get("gbps")]
     per = [s["drive"]["gbps"] for s in bench.samples if (s.get("drive") or {}).get("gbps")]
     print(f"drive O_DIRECT ({bench.probe_chunk // 1024} KiB chunks, depth {bench.probe_depth}): "

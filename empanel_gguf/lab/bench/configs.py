@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-STOCK, MMAP, EMPANEL = "stock", "stock-mmap", "empanel"
+STOCK, MMAP, EMPANEL, CEILING = "stock", "stock-mmap", "empanel", "ceiling"
 CAP_NONE, CAP = "none", "cap"
 DEFAULT_CONFIGS = (
     [f"{n}@{CAP_NONE}" for n in ("stock", "empanel-100%", "empanel-50%", "empanel-25%", "empanel-min")]
@@ -30,6 +30,8 @@ class Config:
                         # overlap of reads and compute in decode measured side by side
     env: dict | None = None  # empanel-<slots>/EMPANEL_<NAME>=<value>: the run's environment has it (a
                              # switch such as EMPANEL_READ_AHEAD_KEEP=1, measured side by side)
+    pools_batch: bool = False  # ceiling: stock --no-repack resident at the micro-batch and attention
+                               # the pools plan (moe_batch): the compute of a prompt with no read at all
 
     @property
     def key(self):
@@ -47,6 +49,8 @@ def parse_config(text: str, top_k: int) -> list[Config]:
         kind, slots, ra = STOCK, None, None
     elif name == STOCK + "/plain":  # stock resident without CPU repack buffers: llama.cpp --no-repack
         return [Config(name, c, STOCK, plain=True) for c in caps]
+    elif name == CEILING:  # the same at the pools' micro-batch: the no-read ceiling of their prompts
+        return [Config(name, c, STOCK, plain=True, pools_batch=True) for c in caps]
     elif name == MMAP:
         kind, slots, ra = MMAP, None, None
     elif name.startswith(MMAP + "-ra") and name[len(MMAP) + 3:].isdigit():
@@ -78,7 +82,7 @@ def parse_config(text: str, top_k: int) -> list[Config]:
                                  f"({', '.join(ENGINE_POLICIES)}), 'plain', 'bounce', 'sync' nor key=value")
         return [Config(name, c, kind, slots, ra, policy, opts or None, plain, bounce, sync, env or None) for c in caps]
     else:
-        raise SystemExit(f"bench: unknown config '{text}'; use stock, stock-mmap, stock-mmap-ra<KB>, "
+        raise SystemExit(f"bench: unknown config '{text}'; use stock, stock/plain, ceiling, stock-mmap, stock-mmap-ra<KB>, "
                          "empanel-<N|P%|size|min|auto>[/<policy>][/plain][/bounce][/sync][/<key>=<value>...]"
                          "[/EMPANEL_<NAME>=<value>...], each optionally "
                          "@none or @cap")

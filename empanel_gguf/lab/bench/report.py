@@ -4,7 +4,7 @@ shipped: scripts/bench_targets.py prints them, through `python scripts/bench.py`
 from __future__ import annotations
 
 
-from .configs import CAP_NONE, EMPANEL, MMAP, STOCK
+from .configs import CAP, CAP_NONE, CEILING, EMPANEL, MMAP, STOCK
 from .runs import Bench
 
 from ...planning.format import GiB, format_bytes
@@ -128,6 +128,36 @@ def details_table(bench: Bench, rows) -> str:
                     fmt(100 * row["tg_guess_recall"] if row.get("tg_guess_recall") is not None else None, ".0f"),
                     fmt(row.get("tg_prefetch_used_pct"), ".0f"), fmt(row.get("tg_prefetch_dropped_pct"), ".0f"),
                     fmt_bytes(row.get("tg_prefetch_waste_per_tok"))])
+    return markdown(headers, out)
+
+
+def prompt_table(bench: Bench, rows) -> str:
+    """The measured prompt as a user meets it (bench --no-warmup: cold, right after the load):
+    prompt t/s and time to first token (load + prompt) against stock from the mapping (the first
+    stock-mmap row under the cap) and the no-read ceiling (the ceiling row), and the expert bytes
+    read per llama_decode call as a multiple of the model's."""
+    ok = [row for row in rows if row["status"].startswith("ok")]
+    anchor = next((row for row in ok if row["kind"] == MMAP and row["cap"] == CAP), None)
+    ceiling = next((row for row in ok if row["config"] == CEILING), None)
+    experts = bench.index.expert_bytes_total
+    headers = ["config", "cap", "-b / -ub", "fa", "prompt", "load s", "prompt s", "TTFT s", "prompt t/s",
+               "x stock-mmap", "TTFT / stock-mmap", "% ceiling", "read", "read per call / experts"]
+    out = []
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    for row in ok:
+        out.append([row["config"], row["cap"], f"{row.get('n_batch', '-')} / {row.get('n_ubatch', '-')}",
+                    "on" if row.get("flash_attn") else "off", row.get("n_pp", "-"), fmt(row.get("load_s"), ".1f"),
+                    fmt(row.get("pp_s"), ".1f"), fmt(row.get("ttft_s"), ".1f"), fmt(row.get("pp_tps")),
+                    fmt(ratio(row.get("pp_tps"), anchor and anchor.get("pp_tps"))),
+                    fmt(ratio(row.get("ttft_s"), anchor and anchor.get("ttft_s"))),
+                    fmt(100 * ratio(row.get("pp_tps"), ceiling and ceiling.get("pp_tps"))
+                        if ceiling and row is not ceiling else None, ".0f"),
+                    fmt_bytes(row.get("pp_bytes")),
+                    fmt(row["pp_bytes"] / row["pp_calls"] / experts
+                        if row.get("pp_bytes") is not None and row.get("pp_calls") and experts else None)])
     return markdown(headers, out)
 
 

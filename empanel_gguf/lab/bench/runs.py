@@ -105,11 +105,27 @@ def _child_spec(bench: Bench, cfg: Config, result_path: Path) -> dict:
         "moe_opts": dict(a.moe_opt, **({"moe_policy": cfg.moe_policy} if cfg.moe_policy else {}),
                          **(cfg.moe_opts or {})),
         "llama_opts": dict(a.llama_opt), "plain": cfg.plain, "result": str(result_path),
+        "batch": pools_batch(bench) if cfg.pools_batch else None,
         "cgroup_procs": None,
         "neighbour": ({"bytes": a.neighbour, "at": a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4,
                        "leave_at": a.neighbour_leave, "prompt_s": a.neighbour_in_prompt} if a.neighbour else None),
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
     }
+
+
+def pools_batch(bench: Bench) -> dict:
+    """The micro-batch and attention the empanel runs plan (moe_batch "auto", or -b / -ub given):
+    what the ceiling runs with."""
+    from ...planning.estimate import model_shape, resolve_n_ctx
+    from ...planning.plan import BATCH_KWARGS, planned_batch
+
+    a = bench.args
+    given = {key: value for key, value in (("n_batch", a.n_batch), ("n_ubatch", a.n_ubatch)) if value is not None}
+    given.update({key: value for key, value in dict(a.llama_opt).items() if key in BATCH_KWARGS})
+    if given:
+        return {}  # every run has them
+    n_ctx = resolve_n_ctx(model_shape(bench.index), a.n_ctx)
+    return planned_batch(dict(a.moe_opt).get("moe_batch", "auto"), "auto", {}, n_ctx)
 
 
 def _before_run(bench: Bench, sample: dict, n: int):
@@ -286,6 +302,13 @@ def sample_metrics(s: dict) -> dict:
         for ph in ("pp", "tg"):
             if w[ph]["n"] and w[ph]["s"] > 0:
                 m[f"cold_{ph}_tps"] = w[ph]["n"] / w[ph]["s"]
+    # the measured prompt as a user meets it (cold with --no-warmup): time to its first token from
+    # the start of the load, bytes read for it (the pools', else the drive's for the process), calls
+    d = s["pp"]
+    m["pp_s"] = d["s"]
+    m["ttft_s"] = (s.get("load_s") or 0.0) + d["s"]
+    m["pp_bytes"] = (d.get("moe") or {}).get("bytes_read", d["io_read_bytes"]) if d.get("moe") else d["io_read_bytes"]
+    m["pp_calls"] = -(-d["n"] // max(1, s.get("n_batch") or 512))
     m["peak_rss"] = s.get("peak_rss")
     m["load_s"] = s.get("load_s")
     m["cgroup_peak"] = s.get("cgroup_peak")
@@ -329,6 +352,8 @@ def build_rows(bench: Bench, configs: list[Config]) -> list[dict]:
         row["pp_tps_samples"] = [m.get("pp_tps") for m in metrics]
         if ok:
             row["n_ubatch"] = ok[0].get("n_ubatch")
+            row["n_batch"] = ok[0].get("n_batch")
+            row["flash_attn"] = ok[0].get("flash_attn")
             row["n_tg"] = ok[0]["tg"]["n"]
             row["n_pp"] = ok[0]["pp"]["n"]
             row["slots_per_layer"] = (ok[0]["moe_slots_total"] // len(bench.index.layers)
