@@ -132,6 +132,29 @@ def test_smoke_run_with_a_neighbour(bench, tiny_model, tmp_path):
     assert "neighbour: 16.00 MiB taken before decoded token 2, freed before token 6" in doc["tables"]["neighbour"]
 
 
+def test_smoke_run_of_a_cold_long_prompt(bench, tiny_model, tmp_path):
+    """--no-warmup, a prompt longer than 512 tokens: each run keeps its own micro-batch (stock
+    512 without flash attention, the pools the plan's: one call), the ceiling runs stock
+    --no-repack at the pools' micro-batch after a warm-up, and the prompt table compares them
+    (time to first token, bytes read per call)."""
+    out = tmp_path / "bench.json"
+    argv = ["-m", str(tiny_model), "--configs", "stock-mmap,empanel-min,ceiling", "-r", "1", "-p", "600", "-n", "2",
+            "-t", "1", "--no-cap", "--no-cgroup", "--no-drop-caches", "--probe-s", "0", "--no-warmup",
+            "--timeout", "120", "--json", str(out), "--log-dir", str(tmp_path / "logs")]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert rows["stock-mmap"]["n_ubatch"] == 512 and not rows["stock-mmap"]["flash_attn"]
+    assert rows["empanel-min"]["n_ubatch"] == rows["ceiling"]["n_ubatch"] == rows["empanel-min"]["n_batch"] > 600
+    assert rows["empanel-min"]["flash_attn"] and rows["ceiling"]["flash_attn"]
+    assert rows["empanel-min"]["pp_calls"] == 1 and rows["stock-mmap"]["pp_calls"] == 2
+    assert rows["ceiling"].get("pp_read_bytes") is None  # stock: nothing paged
+    ceiling = next(s for s in doc["samples"] if s["config"] == "ceiling")
+    assert ceiling["warmup"] is not None  # the ceiling warms up even under --no-warmup
+    table = doc["tables"]["prompt"]
+    assert "TTFT s" in table and "read per call / experts" in table and "| ceiling" in table
+
+
 def test_command_and_script_reach_the_bench(tmp_path):
     for argv in ([sys.executable, "-m", "empanel_gguf", "bench", "--help"],
                  [sys.executable, str(REPO / "scripts" / "bench.py"), "--help"]):
@@ -157,5 +180,7 @@ def test_config_options_reach_llama():
     assert cfg.env == {"EMPANEL_READ_AHEAD_KEEP": "1"} and cfg.moe_opts == {"moe_prefetch": 1}
     (cfg,) = parse_config("stock/plain@none", top_k=8)  # stock resident as llama.cpp --no-repack
     assert cfg.kind == "stock" and cfg.plain and cfg.moe_slots is None and cfg.key == "stock/plain@none"
+    (cfg,) = parse_config("ceiling@none", top_k=8)  # the same at the pools' micro-batch
+    assert cfg.kind == "stock" and cfg.plain and cfg.pools_batch
     with pytest.raises(SystemExit, match="neither a policy"):
         parse_config("empanel-25%/fifo", top_k=8)

@@ -265,7 +265,9 @@ def _ask_all(base):
 
 
 def test_llama_server_parallel_requests_equal_stock(model, tmp_path):
-    with llama_server(model, "none", tmp_path / "stock.log") as (base, _):
+    # stock as the paged server's exact_to names it: its pools page, so the plan gave it -b / -ub
+    # 2048 and -fa on (the context is 2048)
+    with llama_server(model, "none", tmp_path / "stock.log", "-b", "2048", "-ub", "2048", "-fa", "on") as (base, _):
         stock = _ask_all(base)
     with llama_server(model, "25%", tmp_path / "paged.log") as (base, proc):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -286,6 +288,7 @@ def test_llama_server_parallel_requests_equal_stock(model, tmp_path):
     assert re.search(r"empanel_hit_rate\{model=\"[^\"]+\"\} [0-9.]+", metrics)
     log = (tmp_path / "paged.log").read_text()
     assert re.search(r"empanel: \d+ hits, \d+ misses", log), log[-2000:]  # the statistics at exit
+    assert "outputs bit-identical to llama.cpp --no-repack -b 2048 -ub 2048 -fa on" in log, log[-2000:]
 
 
 def test_llama_server_under_load(model, tmp_path):

@@ -70,7 +70,7 @@ def main(argv=None):
     from ..lab.fit import FitError, check_budgets, default_budgets, format_table, measure, plot, predict
     from ..lab.trace import TraceError
     from ..planning.estimate import cli_n_ctx, model_shape
-    from ..planning.plan import ESTIMATE_KWARGS
+    from ..planning.plan import ESTIMATE_KWARGS, planned_batch
     from ..planning.host_memory import available_memory, default_floor
     from ..planning.index import ModelError, load_index
 
@@ -86,6 +86,7 @@ def main(argv=None):
                            "it needs its whole file in memory")
         shape = model_shape(index)
         params = dict(ESTIMATE_KWARGS, n_ctx=cli_n_ctx(shape, args.ctx_size), shape=shape)
+        params.update(planned_batch("auto", "auto", {}, params["n_ctx"]))  # paging loads' micro-batch
         if args.memory:
             budgets = parse_budgets(args.memory)
         else:

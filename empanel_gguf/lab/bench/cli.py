@@ -282,12 +282,13 @@ def _setup(args, model) -> tuple[Bench, list[Config]]:
     index = load_index(model)
     if not index.is_moe:
         raise SystemExit(f"bench: {model} has no routed experts")
-    longest = max(args.n_prompt, 0 if args.no_warmup else args.warmup_tokens) + args.n_gen
-    args.n_ctx = args.n_ctx or max(64, longest + 16)
     moe_opts = dict(args.moe_opt)
     args.moe_opt = list(moe_opts.items())
     args.llama_opt = list(dict(args.llama_opt).items())
     configs = _configs(args, index.n_expert_used)
+    warms_up = not args.no_warmup or any(c.pools_batch for c in configs)  # (the ceiling always does)
+    longest = max(args.n_prompt, args.warmup_tokens if warms_up else 0) + args.n_gen
+    args.n_ctx = args.n_ctx or max(64, longest + 16)
     model_bytes = sum(s.file_size for s in index.shards)
 
     started = time.strftime("%Y%m%d-%H%M%S")

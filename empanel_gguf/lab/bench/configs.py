@@ -31,7 +31,8 @@ class Config:
     env: dict | None = None  # empanel-<slots>/EMPANEL_<NAME>=<value>: the run's environment has it (a
                              # switch such as EMPANEL_READ_AHEAD_KEEP=1, measured side by side)
     pools_batch: bool = False  # ceiling: stock --no-repack resident at the micro-batch and attention
-                               # the pools plan (moe_batch): the compute of a prompt with no read at all
+                               # the pools plan (moe_batch): the compute of a prompt with no read at
+                               # all, after a warm-up even under --no-warmup (its weights mapped)
 
     @property
     def key(self):

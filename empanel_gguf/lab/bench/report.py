@@ -60,7 +60,7 @@ def cap_label(bench: Bench, cap: str) -> str:
 
 def slots_label(bench: Bench, row) -> str:
     if row["kind"] == STOCK:
-        return "- (no repack)" if row["config"].endswith("/plain") else "- (repack)"
+        return "- (no repack)" if row["config"].endswith("/plain") or row["config"] == CEILING else "- (repack)"
     if row["kind"] == MMAP:
         return "- (mmap)"
     per = row.get("slots_per_layer")
@@ -134,8 +134,8 @@ def details_table(bench: Bench, rows) -> str:
 def prompt_table(bench: Bench, rows) -> str:
     """The measured prompt as a user meets it (bench --no-warmup: cold, right after the load):
     prompt t/s and time to first token (load + prompt) against stock from the mapping (the first
-    stock-mmap row under the cap) and the no-read ceiling (the ceiling row), and the expert bytes
-    read per llama_decode call as a multiple of the model's."""
+    stock-mmap row under the cap) and the no-read ceiling (the ceiling row, measured after its
+    warm-up), and the expert bytes read per llama_decode call as a multiple of the model's."""
     ok = [row for row in rows if row["status"].startswith("ok")]
     anchor = next((row for row in ok if row["kind"] == MMAP and row["cap"] == CAP), None)
     ceiling = next((row for row in ok if row["config"] == CEILING), None)
