@@ -135,13 +135,14 @@ def prompt_table(bench: Bench, rows) -> str:
     """The measured prompt as a user meets it (bench --no-warmup: cold, right after the load):
     prompt t/s and time to first token (load + prompt) against stock from the mapping (the first
     stock-mmap row under the cap) and the no-read ceiling (the ceiling row, measured after its
-    warm-up), and the expert bytes read per llama_decode call as a multiple of the model's."""
+    warm-up), the expert bytes read per llama_decode call as a multiple of the model's, and how
+    much of the prompt the drive was busy (its /sys stat, where the bench found the drive)."""
     ok = [row for row in rows if row["status"].startswith("ok")]
     anchor = next((row for row in ok if row["kind"] == MMAP and row["cap"] == CAP), None)
     ceiling = next((row for row in ok if row["config"] == CEILING), None)
     experts = bench.index.expert_bytes_total
     headers = ["config", "cap", "-b / -ub", "fa", "prompt", "load s", "prompt s", "TTFT s", "prompt t/s",
-               "x stock-mmap", "TTFT / stock-mmap", "% ceiling", "read", "read per call / experts"]
+               "x stock-mmap", "TTFT / stock-mmap", "% ceiling", "read", "read per call / experts", "disk busy %"]
     out = []
 
     def ratio(a, b):
@@ -157,7 +158,8 @@ def prompt_table(bench: Bench, rows) -> str:
                         if ceiling and row is not ceiling else None, ".0f"),
                     fmt_bytes(row.get("pp_bytes")),
                     fmt(row["pp_bytes"] / row["pp_calls"] / experts
-                        if row.get("pp_bytes") is not None and row.get("pp_calls") and experts else None)])
+                        if row.get("pp_bytes") is not None and row.get("pp_calls") and experts else None),
+                    fmt(row.get("pp_dev_busy_pct"), ".0f")])
     return markdown(headers, out)
 
 
