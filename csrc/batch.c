@@ -475,3 +475,64 @@ void empanel_batch_drop_unrouted(struct empanel_pool * pool, struct empanel_laye
     }
     empanel_batch_drop(pool, layer, layer->tables.slot_mark, stamp);
 }
+
+// (batch.h) into the slots the policy gives up, never a guessed expert's; an empty slot only where
+// the budget has room: a guess evicts no other layer's expert
+void empanel_batch_read_ahead(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    const uint64_t stamp = ++layer->tables.mark_stamp;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t s = layer->tables.slot_of[layer->tables.distinct[i]];
+        if (s >= 0) {
+            layer->tables.slot_mark[s] = stamp; // resident and guessed: kept
+        }
+    }
+    uint64_t staged_per_expert = 0;
+    for (int32_t t = 0; t < layer->n_tensors; t++) {
+        staged_per_expert += empanel_batch_staged_bytes(&layer->tensors[t]);
+    }
+    const uint64_t call = ++pool->call;
+    int32_t n_read = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = layer->tables.distinct[i];
+        if (layer->tables.slot_of[e] >= 0) {
+            continue;
+        }
+        if (staged_per_expert * (uint64_t) (n_read + 1) > 4 * (uint64_t) EMPANEL_STAGING) {
+            break; // staging for read-ahead stays bounded (32 MiB)
+        }
+        int32_t s = empanel_slots_pick_victim(layer, pool->config.policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
+        if (s >= 0 && layer->tables.expert_in[s] < 0 &&
+            pool->budget.resident_bytes + layer->expert_bytes > pool->budget.bytes) {
+            // no room in the budget without evicting another layer's expert: the layer's own
+            // occupied slots only
+            for (int32_t t = 0; t < layer->n_slots; t++) {
+                if (layer->tables.expert_in[t] < 0) {
+                    layer->tables.slot_mark[t] = stamp;
+                }
+            }
+            s = empanel_slots_pick_victim(layer, pool->config.policy, 0, layer->n_slots, layer->tables.slot_mark, stamp);
+        }
+        if (s < 0) {
+            break;
+        }
+        empanel_slots_place(pool, layer, s, e, call);
+        layer->tables.slot_mark[s]    = stamp;
+        layer->tables.misses[n_read]  = e;
+        layer->tables.victims[n_read] = s;
+        n_read++;
+    }
+    if (n_read == 0) {
+        return;
+    }
+    // read in the guess's order (a token's top-k by score: the likeliest first), expert after
+    // expert, so that the layer's remap finds the unlikeliest still unread and drops those it
+    // does not route to (empanel_batch_drop)
+    layer->guess.prefetch_open = 1; // a failed read empties the slots again (reconcile)
+    if (empanel_files_check(pool) == 0 && empanel_batch_post_ahead(pool, layer, layer->tables.misses, layer->tables.victims, n_read) == 0) {
+        layer->stats.prefetched      += (uint64_t) n_read;
+        layer->stats.prefetch_beside += (uint64_t) empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL);
+        for (int32_t i = 0; i < n_read; i++) {
+            layer->guess.prefetch_mark[layer->tables.victims[i]] = 1;
+        }
+    }
+}

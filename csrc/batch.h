@@ -65,3 +65,7 @@ void     empanel_batch_staging_free(struct empanel_pool * pool);
 // bytes of staging one expert of the tensor takes on its way to its slot: its window's room
 // (0 for plain host pools)
 uint64_t empanel_batch_staged_bytes(const struct empanel_tensor * t);
+// read ahead the experts of layer->tables.distinct[0, n) (a guess, likeliest first) that are not
+// resident, in the read-ahead lane; the tables say where they will be, and the layer's next
+// remap drops the reads of those it does not route to and finishes the others (guess.c, remap.c)
+void     empanel_batch_read_ahead(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n);

@@ -430,6 +430,37 @@ static int read_ahead_wave(struct empanel_pool * pool, struct empanel_layer * la
     return 0;
 }
 
+// layer il starts a micro-batch of n_pairs (token, expert) pairs in waves: where that many pairs
+// route to nearly every expert (4 per expert or more), the next paged layer's empty slots are read
+// into ahead, in the read-ahead lane behind this layer's own reads, experts in file order, within
+// the budget (params.prefetch > 0). A cold pool's first waves are then resident when its
+// micro-batch comes, instead of read while the graph waits; a pool with no empty slot reads none
+static void read_ahead_next_layer(struct empanel_pool * pool, int32_t il, int64_t n_pairs) {
+    if (pool->config.prefetch <= 0 || pool->config.lab || n_pairs < 4 * (int64_t) pool->n_expert) {
+        return;
+    }
+    // the next paged layer, unless it is the last: llama.cpp's last layer computes only the tokens
+    // whose outputs are kept (one, in a prompt), which would leave what was read unused
+    struct empanel_layer * next = NULL;
+    int32_t last = -1;
+    for (int32_t j = 0; j < pool->n_layer; j++) {
+        if (pool->layers[j].n_slots > 0 && !pool->layers[j].observe) {
+            next = next == NULL && j > il ? &pool->layers[j] : next;
+            last = j;
+        }
+    }
+    if (next == NULL || next == &pool->layers[last] || next->device || empanel_layer_open(next) ||
+        empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL) || !empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, next)) {
+        return;
+    }
+    // every expert is the guess, in file order: the resident ones are all kept, so only empty
+    // slots are read into (empanel_batch_read_ahead), within the budget
+    for (int32_t e = 0; e < pool->n_expert; e++) {
+        next->tables.distinct[e] = e;
+    }
+    empanel_batch_read_ahead(pool, next, pool->n_expert);
+}
+
 // one wave of one pool tensor: plan the micro-batch at its layer's first call, make the wave's
 // experts resident in this tensor, give their pairs slot ids (others -1), and start reading what
 // comes next while this wave computes
@@ -476,6 +507,9 @@ static int32_t remap_wave_locked(struct empanel_pool * pool, int32_t il, const v
 
     if (read_ahead_wave(pool, layer, ti, wave) != 0) {
         return -1;
+    }
+    if (!continues) { // the next layer's empty slots, while this layer's waves compute
+        read_ahead_next_layer(pool, il, (int64_t) n_tokens * n_used);
     }
     int open = 0;
     for (int32_t i = 0; i < layer->n_tensors; i++) {

@@ -77,6 +77,10 @@ void empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_layer 
 void empanel_slots_use_hit(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s, uint64_t call) {
     empanel_slots_note_use(layer, s, call);
     layer->stats.hits++;
+    if (layer->guess.prefetch_mark[s] != 0) { // read ahead and routed: used, counted now (a later
+        layer->stats.prefetch_used++;         // wave of the plan may give its slot to another expert)
+        layer->guess.prefetch_mark[s] = 0;
+    }
     empanel_slots_recent_unlink(pool, layer->lru_base + s);
     empanel_slots_recent_push(pool, layer->lru_base + s);
 }

@@ -116,3 +116,30 @@ def test_llama_cpp_programs_get_the_flags(model):
     assert batch_flags(plan("llama-server", "-m", str(model), "-c", "4096", "-ub", "256")) == []
     assert batch_flags(plan("llama-server", "-m", str(model), "-c", "4096", "-fa", "off")) == []
     assert batch_flags(plan("llama-bench", "-m", str(model), "-p", "2048")) == []
+
+
+def test_a_cold_prompt_reads_the_next_layer_ahead(tmp_path_factory):
+    """A prompt in waves routes to every expert of every layer: while a layer's waves compute, the
+    next layer's empty slots are read ahead (behind the layer's own reads), and its first waves
+    find them resident instead of reading them while the graph waits. Never into the last layer
+    (llama.cpp computes only the kept outputs there), none with moe_prefetch=0; logits unchanged."""
+    path = fixtures.write_fixture("qwen3moe-f16", tmp_path_factory.mktemp("ahead"))
+
+    def run(**moe):
+        llm = Llama(str(path), n_ctx=2048, logits_all=True, verbose=False, moe_slots=4, **moe)
+        try:
+            logits, _ = greedy_logits(llm, llm.tokenize(TEXT)[:700], 0)  # the prompt only: no decode guesses
+            return logits, llm.moe_stats()
+        finally:
+            llm.close()
+
+    ahead, stats = run()
+    plain, off = run(moe_prefetch=0)
+    rows = [stats["layers"][il] for il in sorted(stats["layers"])]
+    assert len(rows) >= 3
+    assert rows[0]["prefetched"] == 0 and rows[-1]["prefetched"] == 0
+    for row in rows[1:-1]:
+        assert row["prefetched"] == row["n_slots"] and row["prefetch_used"] == row["prefetched"], row
+    assert off["total"]["prefetched"] == 0
+    assert stats["total"]["misses"] == off["total"]["misses"] - sum(row["prefetched"] for row in rows)
+    assert np.array_equal(ahead, plain)

@@ -300,8 +300,8 @@ def test_the_package_installs_only_its_own_files():
 
 
 def test_readme_is_short_and_every_local_link_resolves():
-    """The README stays a front door of one screen (what, install, one example, commands, one
-    results table, limits: at most 130 lines); what is behind it lives in docs/ (the options in
+    """The README stays a front door of one screen (what, install, one example, commands, the
+    results, limits: at most 130 lines); what is behind it lives in docs/ (the options in
     docs/options.md), and no link points nowhere."""
     import re
 
