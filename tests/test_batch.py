@@ -88,7 +88,7 @@ def test_a_long_prompt_is_one_call_per_micro_batch_and_exact(model, n_prompt):
         llm.close()
     assert stats["exact_to"] == "llama.cpp --no-repack -b 2048 -ub 2048 -fa on"
     index = load_index(model)
-    for il, row in stats["layers"].items():
+    for row in stats["layers"].values():
         assert row["n_remaps"] == 1 + 6  # the prompt's one micro-batch, then one per decoded token
     prompt_misses = stats["total"]["misses"]
     assert prompt_misses > 0
