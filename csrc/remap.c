@@ -301,7 +301,7 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
     if (n < 0 || resolve_one_wave(pool, layer, il, call, n, 1) != 0) {
         return -1;
     }
-    empanel_slots_close_guess(layer, n, call);
+    empanel_slots_close_guess(layer, n);
     for (int32_t t = 0; t < n_tokens; t++) {
         const int32_t * row = expert_ids + (int64_t) t * ids_row_stride;
         for (int32_t j = 0; j < n_used; j++) {
@@ -399,7 +399,7 @@ static int plan_batch_waves(struct empanel_pool * pool, struct empanel_layer * l
     } else if (plan_waves(pool, layer, il, call, n, n_waves, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return -1;
     }
-    empanel_slots_close_guess(layer, n, call);
+    empanel_slots_close_guess(layer, n);
     empanel_slots_end_batch(pool, layer, layer->waves.n);
     return 0;
 }
@@ -450,7 +450,7 @@ static void read_ahead_next_layer(struct empanel_pool * pool, int32_t il, int64_
         }
     }
     if (next == NULL || next == &pool->layers[last] || next->device || empanel_layer_open(next) ||
-        empanel_batch_inflight(pool, EMPANEL_LANE_AHEAD, NULL) || !empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, next)) {
+        !empanel_batch_can_post(pool, EMPANEL_LANE_AHEAD, next)) {
         return;
     }
     // every expert is the guess, in file order: the resident ones are all kept, so only empty
@@ -558,7 +558,7 @@ int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t
         const int      fits   = n <= layer->n_slots;
         if (n >= 0 && (fits ? resolve_one_wave(pool, layer, il, call, n, 0)
                             : plan_waves(pool, layer, il, call, n, INT32_MAX, expert_ids, n_used, n_used, n_tokens)) == 0) {
-            empanel_slots_close_guess(layer, n, call);
+            empanel_slots_close_guess(layer, n);
             empanel_slots_end_batch(pool, layer, fits ? 1 : layer->waves.n);
             rc = (int32_t) (layer->stats.misses - misses);
         }

@@ -222,7 +222,7 @@ void empanel_slots_drop_prefetch(struct empanel_layer * layer, int32_t s) {
     }
 }
 
-void empanel_slots_close_guess(struct empanel_layer * layer, int32_t n, uint64_t call) {
+void empanel_slots_close_guess(struct empanel_layer * layer, int32_t n) {
     struct empanel_guess_state * g = &layer->guess;
     if (g->live) {
         layer->stats.guessed      += (uint64_t) g->n;
@@ -232,13 +232,10 @@ void empanel_slots_close_guess(struct empanel_layer * layer, int32_t n, uint64_t
         }
         g->live = 0;
     }
-    // read-ahead slots still holding their expert (others were dropped when their slot was taken)
+    // read-ahead slots still marked were not routed (a routed one counted as used at its hit,
+    // empanel_slots_use_hit; one whose slot was taken was dropped then): wasted
     for (int32_t s = 0; s < layer->n_slots; s++) {
-        if (g->prefetch_mark[s] != 0 && layer->tables.call_mark[s] == call) {
-            layer->stats.prefetch_used++;
-            g->prefetch_mark[s] = 0;
-        }
-        empanel_slots_drop_prefetch(layer, s); // not routed: wasted
+        empanel_slots_drop_prefetch(layer, s);
     }
 }
 

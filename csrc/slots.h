@@ -33,8 +33,8 @@ void    empanel_slots_release(struct empanel_layer * layer, int32_t slot);
 // slot s stops holding what a read-ahead put there before its micro-batch came: wasted bytes
 void    empanel_slots_drop_prefetch(struct empanel_layer * layer, int32_t s);
 // the live guess of a layer is spent by the remap of its n distinct experts (in tables.distinct)
-// for `call`: recall and read-ahead accounted
-void    empanel_slots_close_guess(struct empanel_layer * layer, int32_t n, uint64_t call);
+// routed: recall accounted, read-ahead not routed wasted
+void    empanel_slots_close_guess(struct empanel_layer * layer, int32_t n);
 // a plan, read-ahead or overlapped reads that did not run to their end (a failure, an aborted
 // graph): slots whose tensors do not all hold the expert the tables say are emptied
 void    empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * layer);

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from empanel_gguf import Llama
-from empanel_gguf.commands.programs import batch_flags, plan_for_program, setup_arg_parser, split_args
+from empanel_gguf.commands.programs import plan_for_program, setup_arg_parser, split_args
 from empanel_gguf.lab.exactness import greedy_logits
 from empanel_gguf.models import fixtures
 from empanel_gguf.planning.estimate import estimate
 from empanel_gguf.planning.index import load_index
 from empanel_gguf.planning.options import moe_options
-from empanel_gguf.planning.plan import plan_load, planned_batch, stock_equivalent, stock_kwargs
+from empanel_gguf.planning.plan import micro_batch_flags, plan_load, planned_batch, stock_equivalent, stock_kwargs
 
 TEXT = b" ".join(b"%d: the %s fox and the lazy dog, seen %d times." % (i, b"quick" if i % 3 else b"slow", i * 7)
                  for i in range(300))
@@ -110,6 +110,9 @@ def test_llama_cpp_programs_get_the_flags(model):
     def plan(name, *flags):
         ours, theirs = split_args(parser, ["--moe-slots", "4", *flags])
         return plan_for_program(name, parser.parse_args(ours), theirs)
+
+    def batch_flags(load):
+        return micro_batch_flags(load.micro_batch)
 
     load = plan("llama-server", "-m", str(model), "-c", "4096")
     assert batch_flags(load) == ["-b", "2048", "-ub", "2048", "-fa", "on"]

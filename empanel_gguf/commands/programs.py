@@ -177,7 +177,7 @@ def plan_for_program(name, args, flags):
     kwargs = {"n_ctx": planned_n_ctx(name, values, shape), "n_gpu_layers": _int_or(values.get("ngl"), 0)}
     fa_off = values.get("fa") in ("off", "0", "false")
     if name not in BATCH_PROGRAMS or fa_off or values.get("batch") is not None or values.get("ubatch") is not None:
-        # the program's own micro-batch (else the plan's, --moe-batch: batch_flags gives it)
+        # the program's own micro-batch (else the plan's, --moe-batch: main gives its flags)
         kwargs.update(n_batch=_int_or(values.get("batch"), 2048), n_ubatch=_int_or(values.get("ubatch"), 512),
                       flash_attn=not fa_off)
     if values.get("rpc"):  # the program registers the servers: their layers are not held here
@@ -190,18 +190,6 @@ def plan_for_program(name, args, flags):
 # the programs whose prompts the plan's micro-batch serves (--moe-batch); llama-bench measures the
 # -b / -ub it is given, llama-perplexity sizes its batches from its own -c
 BATCH_PROGRAMS = ("llama-server", "llama-cli")
-
-
-def batch_flags(load):
-    """The flags that give a program the plan's micro-batch (LoadPlan.batch): -b, -ub and -fa on
-    (llama.cpp's own default, -fa auto, turns it on for the CPU too; said explicitly here, as the
-    stock command the outputs equal names it)."""
-    if not load.micro_batch:
-        return []
-    flags = ["-b", str(load.micro_batch["n_batch"]), "-ub", str(load.micro_batch["n_ubatch"])]
-    if load.micro_batch.get("flash_attn"):
-        flags += ["-fa", "on"]
-    return flags
 
 
 def run_program(path, flags, env):
@@ -234,7 +222,7 @@ def run_program(path, flags, env):
 def main(name, argv=None):
     from ..planning.guard import MemoryRefused
     from ..planning.index import ModelError
-    from ..planning.plan import resolve_repack, stock_equivalent
+    from ..planning.plan import micro_batch_flags, resolve_repack, stock_equivalent
     from ..planning.plan_file import load_text
     from ..planning.sizing import SlotsError
     from ..engine.stats import read_stats_file, summary_line
@@ -267,7 +255,8 @@ def main(name, argv=None):
         if load is None:
             note(f"{name} runs without slot pools")
             return run_program(path, flags, env)
-        flags = flags + batch_flags(load)
+        flags = flags + micro_batch_flags(load.micro_batch)  # (-fa on: llama.cpp's -fa auto turns it on
+        # for the CPU as well; said here as the stock command the outputs equal names it)
         # the program's libllama loads the libempanel next to itself (the same build)
         env["EMPANEL_PLAN"] = str(plan_path)
         rc = run_program(path, flags, env)

@@ -73,15 +73,21 @@ def stock_equivalent(repack: bool, subst=None, batch=None) -> str:
     """The stock llama.cpp configuration whose logits a load with these options reproduces bit for
     bit: the same weight layout (repack: stock's defaults, which repack on the CPU where ggml has a
     repacked layout for the type; else --no-repack), the same micro-batch and attention (batch:
-    the Llama arguments the plan set, LoadPlan.batch), with every expert in memory."""
+    the Llama arguments the plan set, LoadPlan.micro_batch), with every expert in memory."""
     if subst is not None:
         return "none: routing substitution (moe_subst) changes the routing"
-    flags = [] if repack else ["--no-repack"]
-    if batch:
-        flags += [f"-b {batch['n_batch']}", f"-ub {batch['n_ubatch']}"]
-        if "flash_attn" in batch:
-            flags.append("-fa " + ("on" if batch["flash_attn"] else "off"))
+    flags = ([] if repack else ["--no-repack"]) + micro_batch_flags(batch)
     return "llama.cpp " + " ".join(flags) if flags else "llama.cpp with its defaults"
+
+
+def micro_batch_flags(batch) -> list:
+    """The plan's micro-batch (LoadPlan.micro_batch) as llama.cpp's flags: -b, -ub and -fa."""
+    if not batch:
+        return []
+    flags = ["-b", str(batch["n_batch"]), "-ub", str(batch["n_ubatch"])]
+    if "flash_attn" in batch:
+        flags += ["-fa", "on" if batch["flash_attn"] else "off"]
+    return flags
 
 
 def stock_kwargs(repack: bool, subst=None, batch=None) -> dict | None:
@@ -279,7 +285,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
     given = llama_kwargs or {}
-    # (a commands' n_batch / n_ubatch / flash_attn left unset is None: llama-cpp-python's default)
+    # (a command's n_batch / n_ubatch / flash_attn left unset is None: llama-cpp-python's default)
     kwargs = {key: default if given.get(key) is None else given[key] for key, default in ESTIMATE_KWARGS.items()}
     kwargs["shape"] = model_shape(index)
     available = available_memory() if available is None else available

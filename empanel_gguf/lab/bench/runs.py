@@ -309,7 +309,7 @@ def sample_metrics(s: dict) -> dict:
     d = s["pp"]
     m["pp_s"] = d["s"]
     m["ttft_s"] = (s.get("load_s") or 0.0) + d["s"]
-    m["pp_bytes"] = (d.get("moe") or {}).get("bytes_read", d["io_read_bytes"]) if d.get("moe") else d["io_read_bytes"]
+    m["pp_bytes"] = d["moe"].get("bytes_read", 0) if d.get("moe") else d["io_read_bytes"]
     m["pp_calls"] = -(-d["n"] // max(1, s.get("n_batch") or 512))
     m["peak_rss"] = s.get("peak_rss")
     m["load_s"] = s.get("load_s")
