@@ -292,8 +292,8 @@ EMPANEL_API int32_t empanel_pool_budget(struct empanel_pool * pool, struct empan
 
 // the controller (pressure.c): a thread that reads the memory the binding limits leave every
 // interval_ms and moves the budget: down at once when less than reserve_bytes is left (by what is
-// missing and half the reserve again), up slowly when more than 1.25 reserves would stay free (2 s
-// after the last move down, then at most every 0.5 s, to leave 1.125 reserves free). Sources, each
+// missing and half the reserve again), up slowly when more than 1.75 reserves would stay free (2 s
+// after the last move down, then at most every 0.5 s, to leave 1.5 reserves free). Sources, each
 // a file read whole at every poll (up to EMPANEL_MAX_MEMORY_SOURCES):
 //   limit_path, usage_path, stat_path + stat_key: a memory cgroup: left = limit - usage + the
 //     stat's key (page cache the kernel reclaims first); a limit of "max" or above 2^60: none

@@ -170,3 +170,51 @@ def test_budget_gives_pages_back(tmp_path):
     rss_before, resident_before, rss_after, resident_after = (int(x) for x in line[0].split()[1:])
     assert resident_after <= floor < resident_before
     assert rss_before - rss_after >= 0.7 * (resident_before - resident_after), (rss_before, rss_after)
+
+
+def machine_memory():
+    """Bytes of memory and swap (MemTotal + SwapTotal): what the kernel's overcommit heuristic
+    compares one allocation with."""
+    info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.split()[1:]}
+    return info["MemTotal"] + info.get("SwapTotal", 0)
+
+
+def test_capacity_beyond_memory(tmp_path):
+    """Pools whose capacity (their slots' address space) is larger than the machine's memory and
+    swap load and decode under a budget: host pools are reserved without commit
+    (llama-empanel-pools.cpp), which the overcommit heuristic does not refuse as it refuses one
+    allocation of that size, and only the slots filled take memory. The experts are holes in a
+    sparse file (zeros: a model larger than memory on no disk); the logits equal those of a small
+    pool of the same file, which the other tests hold equal to stock's."""
+    expert = 3 * 256 * 65536 * 2  # bytes of one F16 expert [256, 65536] x 3 (96 MiB)
+    n_expert = -(-int(1.25 * machine_memory()) // expert) + 8
+    spec = fixtures.FixtureSpec("qwen3moe-holes", "qwen3moe", n_layer=1, n_expert=n_expert, n_expert_used=2,
+                                n_embd=256, n_ff_exp=65536, weight_type="F16", expert_holes=True, seed=21)
+    path = fixtures.write_model(spec, tmp_path / "holes.gguf")
+    assert os.stat(path).st_blocks * 512 < 64 << 20  # (sparse: the experts take no disk)
+    capacity = (n_expert - 8) * expert
+    assert capacity > machine_memory()
+    sanitizer = os.environ.get("EMPANEL_SANITIZER")  # (its allocator answers malloc; its shadow adds to RSS)
+    if open("/proc/sys/vm/overcommit_memory").read().strip() == "0" and not sanitizer:
+        # the heuristic refuses one allocation of the capacity: what the pools were before
+        import ctypes
+        libc, ptr = ctypes.CDLL(None), ctypes.c_void_p()
+        assert libc.posix_memalign(ctypes.byref(ptr), 4096, ctypes.c_size_t(capacity)) != 0
+    tokens = [(5 * t + 11) % 200 + 1 for t in range(12)]
+    logits = {}
+    for slots, budget in ((n_expert - 8, 4 * expert), (4, None)):
+        llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, moe_slots=slots, moe_budget=budget)
+        try:
+            llm.eval(tokens[:8])  # (a prompt's waves may fill the layer past the budget: the next remap trims)
+            for token in tokens[8:]:
+                llm.eval([token])
+            logits[slots] = np.array(llm.scores[: llm.n_tokens], copy=True)
+            stats = llm.moe_stats()["budget"]
+            if budget is not None:
+                assert stats["capacity_bytes"] == capacity and stats["budget_bytes"] == budget
+                assert stats["resident_bytes"] <= budget and llm.moe_stats()["total"]["misses"] > 0
+                rss = int([line for line in open("/proc/self/status") if line.startswith("VmRSS")][0].split()[1])
+                assert sanitizer or rss * 1024 < 4 << 30
+        finally:
+            llm.close()
+    assert np.array_equal(logits[n_expert - 8], logits[4])

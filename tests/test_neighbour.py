@@ -26,17 +26,21 @@ SPEC = FixtureSpec("neighbour", "qwen3moe", n_layer=2, n_expert=64, n_expert_use
                    weight_type="F16", expert_types=("F16", "F16"), seed=21)
 SLOTS = 48  # 288 MiB of pools, preloaded; the floor is 24 MiB
 
-MODEL_SCRIPT = """
+# the model's side of a scenario: step(n) decodes n greedy tokens of `llm` into `tokens`
+STEP = """
 import json, sys, time
 import numpy as np
 from empanel_gguf import Llama
-llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots=int(sys.argv[2]), moe_preload=True,
-            moe_elastic=sys.argv[3] == "1")
 tokens = []
 def step(n):
     for _ in range(n):
         tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         llm.eval(tokens[-1:])
+"""
+
+MODEL_SCRIPT = STEP + """
+llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots=int(sys.argv[2]), moe_preload=True,
+            moe_elastic=sys.argv[3] == "1")
 llm.eval(llm.tokenize(%r))
 step(4)
 print("READY", flush=True)
@@ -142,18 +146,19 @@ def tell(proc):
 
 
 def run_scenario(cgroup, path, elastic):
-    """The model in the cgroup, the limit lowered to what it uses plus 320 MiB, a neighbour that
-    takes 400 MiB mid-decode, then leaves. (tokens or None, budget figures, seconds back, killed)"""
+    """The model in the cgroup, the limit lowered to what it uses plus 448 MiB (1.75 of the
+    controller's 256 MiB reserve: a band where it rests), a neighbour that takes 528 MiB mid-decode,
+    then leaves. (tokens or None, budget figures, seconds back, killed)"""
     cgroup.set_limit(2 << 30)  # a limit from the start: the planner names the cgroup's files
     model = cgroup.spawn([sys.executable, "-c", MODEL_SCRIPT, str(path), str(SLOTS), "1" if elastic else "0"])
     neighbour = None
     try:
         assert expect(model, "READY") is not None, model.stderr.read()[-3000:]
-        cgroup.set_limit(cgroup.usage() + 320 * MiB)
-        neighbour = cgroup.spawn([sys.executable, "-c", NEIGHBOUR_SCRIPT, str(400 * MiB)])
-        held = expect(neighbour, "HELD", timeout=60) is not None
+        cgroup.set_limit(cgroup.usage() + 448 * MiB)
+        neighbour = cgroup.spawn([sys.executable, "-c", NEIGHBOUR_SCRIPT, str(528 * MiB)])
+        expect(neighbour, "HELD", timeout=60)  # (None where the OOM killer took it)
         tokens = budget = back = None
-        if held and model.poll() is None:
+        if model.poll() is None:
             tell(model)
             got = expect(model, "TOKENS")
             if got is not None:
@@ -174,12 +179,12 @@ def run_scenario(cgroup, path, elastic):
                 proc.wait()
 
 
-def stock_tokens(path):
+def stock_tokens(path, n=16):
     llm = Llama(str(path), n_ctx=128, logits_all=True, verbose=False)
     try:
         llm.eval(llm.tokenize(PROMPT))
         tokens = []
-        for _ in range(16):
+        for _ in range(n):
             tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval(tokens[-1:])
         return tokens
@@ -205,3 +210,61 @@ def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path):
         assert kills >= 1 and -9 in codes, (kills, codes)
     finally:
         control.remove()
+
+
+AT_LOAD_SCRIPT = STEP + """
+llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots="auto")
+at_load = llm.moe_stats()["budget"]
+llm.eval(llm.tokenize(%r))
+step(4)
+print("LOADED", json.dumps(at_load), flush=True)
+sys.stdin.readline()          # the neighbour has left: decode on until the budget has grown
+t0 = time.monotonic()
+while llm.moe_stats()["budget"]["budget_bytes"] < at_load["budget_bytes"] + %d and time.monotonic() - t0 < 10:
+    step(1) if len(tokens) < 100 else time.sleep(0.02)  # (a move up waits for the slots promised to fill)
+grew = time.monotonic() - t0
+step(8)
+print("TOKENS", grew, json.dumps(tokens, separators=(",", ":")), json.dumps(llm.moe_stats()["budget"]), flush=True)
+""" % (PROMPT, 64 * MiB)
+
+
+def test_pools_planned_around_a_neighbour_grow_once_it_leaves(tmp_path):
+    """A neighbour that holds memory when the model loads: moe_slots="auto" plans a capacity for
+    the whole limit and starts its live budget at what is free; once the neighbour leaves the
+    budget grows past that (within 5 s) and the pools fill it. Nobody is killed, tokens equal
+    stock's."""
+    path = write_model(SPEC, tmp_path / "neighbour.gguf")
+    cgroup = Cgroup("empanel-at-load")
+    model = neighbour = None
+    try:
+        cgroup.set_limit(768 * MiB)
+        neighbour = cgroup.spawn([sys.executable, "-c", NEIGHBOUR_SCRIPT, str(256 * MiB)])
+        assert expect(neighbour, "HELD", timeout=60) is not None
+        env = {k: v for k, v in os.environ.items() if k != "EMPANEL_MEM_AVAILABLE"}
+        procs = cgroup.dir / "cgroup.procs"
+        model = subprocess.Popen([sys.executable, "-c", AT_LOAD_SCRIPT, str(path)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                                 preexec_fn=lambda: procs.write_text(str(os.getpid())))
+        got = expect(model, "LOADED")
+        assert got is not None, model.stderr.read()[-3000:]
+        at_load = json.loads(got)
+        assert at_load["elastic"] and at_load["budget_bytes"] < at_load["capacity_bytes"], at_load
+        tell(neighbour)
+        neighbour.wait(timeout=30)
+        tell(model)
+        got = expect(model, "TOKENS")
+        assert got is not None, model.stderr.read()[-3000:]
+        model.wait(timeout=60)
+        grew, text_tokens, text_budget = got.split(" ", 2)
+        budget = json.loads(text_budget)
+        assert float(grew) < 5 and budget["budget_bytes"] >= at_load["budget_bytes"] + 64 * MiB, (grew, at_load, budget)
+        assert budget["resident_bytes"] > at_load["budget_bytes"], budget  # filled past the budget at load
+        assert cgroup.oom_kills() == 0 and (model.returncode, neighbour.returncode) == (0, 0)
+        tokens = json.loads(text_tokens)
+        assert tokens == stock_tokens(path, len(tokens))
+    finally:
+        for proc in (model, neighbour):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        cgroup.remove()

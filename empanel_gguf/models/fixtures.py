@@ -84,6 +84,8 @@ class FixtureSpec:
     n_shards: int = 1  # >1: split files <stem>-0000i-of-0000n.gguf
     requantize_to: str | None = None  # a K-quant made by llama.cpp from an F16 file
     seed: int = 0
+    expert_holes: bool = False  # routed experts (F16/F32) left as holes of zeros in a sparse file: a
+                                # model larger than memory that takes no disk
 
     def expert_type(self, il: int) -> str:
         return self.expert_types[il] if self.expert_types else self.weight_type
@@ -244,9 +246,26 @@ class _Tensors:
         values = self.rng.standard_normal(tuple(reversed(ne)), dtype=np.float32)
         self.items.append((name, values * np.float32(std), "F32"))
 
+    def hole(self, name: str, ne: tuple[int, ...], qtype: str) -> None:
+        """A weight of ggml shape `ne` whose bytes are never written (zeros): _Hole."""
+        self.items.append((name, _Hole(tuple(reversed(ne)), np.float16 if qtype == "F16" else np.float32), qtype))
+
     def norm(self, name: str, n: int) -> None:
         """An RMS-norm weight {n}: all ones."""
         self.items.append((name, np.ones(n, dtype=np.float32), "F32"))
+
+
+class _Hole:
+    """What gguf's writer takes for an array whose bytes it skips: the file gets a hole (zeros on
+    read, no disk) where the tensor's data would be."""
+
+    def __init__(self, shape: tuple[int, ...], dtype):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.nbytes = math.prod(shape) * self.dtype.itemsize
+
+    def tofile(self, fout) -> None:
+        fout.seek(self.nbytes, os.SEEK_CUR)
+        fout.truncate(fout.tell())  # (a hole at the end of the file too)
 
 
 def _add_embeddings(t: _Tensors, spec: FixtureSpec, n_vocab: int) -> None:
@@ -286,9 +305,13 @@ def _add_routed_experts(t: _Tensors, spec: FixtureSpec, il: int, n_ff: int) -> N
     """ffn_{gate,up}_exps {n_embd, n_ff, n_expert} and ffn_down_exps {n_ff, n_embd, n_expert}."""
     p = f"blk.{il}."
     qtype = spec.expert_type(il)
-    t.matrix(p + "ffn_gate_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
-    t.matrix(p + "ffn_up_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
-    t.matrix(p + "ffn_down_exps.weight", (n_ff, spec.n_embd, spec.n_expert), qtype)
+    add = t.matrix
+    if spec.expert_holes:
+        assert qtype in ("F16", "F32"), "holes are written for float experts only"
+        add = t.hole
+    add(p + "ffn_gate_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
+    add(p + "ffn_up_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
+    add(p + "ffn_down_exps.weight", (n_ff, spec.n_embd, spec.n_expert), qtype)
 
 
 def _add_dense_ffn(t: _Tensors, spec: FixtureSpec, il: int, suffix: str, n_ff: int) -> None:
@@ -535,7 +558,7 @@ def _write_gguf(spec: FixtureSpec, path: Path) -> None:
     _add_hparams(w, spec)
     add_tokenizer(w)
     for name, values, qtype in tensors.items:
-        data, raw_dtype = encode_tensor(values, qtype)
+        data, raw_dtype = (values, None) if isinstance(values, _Hole) else encode_tensor(values, qtype)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -211,7 +211,13 @@ def parse_floor(text, total=None):
 
 
 def peak_rss():
-    """This process's peak resident set in bytes (getrusage: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set in bytes: /proc/self/status's VmHWM where there is one
+    (getrusage's ru_maxrss keeps the parent's peak across fork and exec: a command started by a
+    large process would report that process's memory), else getrusage (KiB on Linux, bytes on
+    macOS)."""
+    hwm = proc_status().get("VmHWM")
+    if hwm:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * KiB
 

@@ -309,15 +309,18 @@ OPTIONS = (
                "(the memory cgroup, else MemAvailable) and lowers the live budget of resident experts at once "
                "when another program needs memory, raising it again slowly when memory is free; outputs do "
                'not change. None: on where moe_slots is "auto" and the pools page in host memory; True: for '
-               "any moe_slots; False: the pools keep their memory. Pools in device memory (a GPU) and pools "
-               'that hold every expert in place never give back. moe_stats()["budget"] reports it.',
+               "any moe_slots; False: the pools keep their memory. Elastic \"auto\" pools get slots for the "
+               "whole limit as if the load were alone (address space reserved without commit) and a budget "
+               "that starts at what is free at load: they grow into memory freed later. Pools in device "
+               "memory (a GPU) and pools that hold every expert in place never give back. "
+               'moe_stats()["budget"] reports it.',
            help="pools that give memory back when another program needs it and take it again when it is free "
                 "(outputs unchanged); auto: with --moe-slots auto on host pools"),
     Option("budget", None, metavar="SIZE", check=_budget, server=Optional[str],
            doc='the live budget at load: bytes (or a size, "4GiB") of resident experts over all layers, below '
                "the pools' capacity (their slots); Llama.moe_set_budget moves it while the model runs, and "
                "moe_elastic moves it with the memory left, from there up to the capacity. None: the capacity "
-               "(g-lru: its shared budget). "
+               "(g-lru: its shared budget; elastic \"auto\" pools: what was free at load). "
                "Never below the top-k experts of every MoE layer.",
            help="the live budget of resident experts at load (e.g. 4GiB), below the pools' capacity; "
                 "moe_elastic moves it with the memory left"),

@@ -26,7 +26,7 @@ from ..abi.header import READ_IO, policy_id
 from .estimate import Estimate, estimate, model_shape, resolve_n_ctx, unified_devices, waves_may_be_masked
 from .format import format_bytes
 from .guard import MemoryRefused, check, max_slots_that_fit
-from .host_memory import available_memory, default_floor, memory_sources
+from .host_memory import available_memory, default_floor, memory_sources, proc_status, total_memory
 from .index import adapter_expert_tensors
 from .options import OPTION, MoeOptions
 from .options import moe_options  # noqa: F401  (the faces' plan.moe_options: planning/options.py's)
@@ -272,7 +272,7 @@ def print_notices(lines, verbose=True):
 
 
 def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(), floor=None, force=False,
-              guard=True, available=None, what=None) -> LoadPlan:
+              guard=True, available=None, total=None, what=None) -> LoadPlan:
     """Decide the slots, check memory and gather what the load needs.
 
     moe_slots: None (every expert resident), 'auto', or anything plan_slots takes. 'auto' keeps
@@ -281,14 +281,17 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     llama_kwargs: the Llama arguments (n_ctx, n_batch, n_ubatch, n_gpu_layers, logits_all,
     flash_attn, type_k, type_v; others are ignored). lora_paths: adapters to load with it
     (refused if they change routed experts). guard=False: estimate, but never refuse nor warn
-    (Llama with an explicit moe_slots); force: warn instead of refusing. Raises guard.MemoryRefused, sizing.SlotsError for
+    (Llama with an explicit moe_slots); force: warn instead of refusing. available: bytes free
+    (None: measured); total: bytes the binding limit holds, which elastic "auto" pools may grow
+    into (None: the limit measured where available is, else none above available). Raises guard.MemoryRefused, sizing.SlotsError for
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
     given = llama_kwargs or {}
     # (a command's n_batch / n_ubatch / flash_attn left unset is None: llama-cpp-python's default)
     kwargs = {key: default if given.get(key) is None else given[key] for key, default in ESTIMATE_KWARGS.items()}
     kwargs["shape"] = model_shape(index)
-    available = available_memory() if available is None else available
+    if available is None:
+        available, total = available_memory(), total_memory() if total is None else total
     floor = default_floor() if floor is None else floor
     batch = planned_batch(options.batch, moe_slots if index.is_moe else None, given,
                           resolve_n_ctx(kwargs["shape"], kwargs["n_ctx"]))
@@ -296,7 +299,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         try:
             load = plan_load(index, moe_slots, {**given, **batch}, options=replace(options, batch="stock"),
                              lora_paths=lora_paths, floor=floor, force=force, guard=guard, available=available,
-                             what=what)
+                             total=total, what=what)
         except MemoryRefused:
             load = None  # the larger compute buffer does not fit: llama-cpp-python's own micro-batch
         if load is not None and load.plan is not None and not load.plan.holds_all:  # the pools page
@@ -309,15 +312,24 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
 
     # pools that give memory back may take more of it: half the floor stays free (the controller's
     # reserve), not all of it
-    sizing_floor = floor // 2 if elastic_wanted(moe_slots, options, kwargs) else floor
+    elastic = elastic_wanted(moe_slots, options, kwargs)
+    sizing_floor = floor // 2 if elastic else floor
     decided = _decide_slots(index, moe_slots, kwargs, options.resident_layers, available, floor, notes,
                             sizing_floor)
-    plan, options = _plan_pools(index, decided, options, notes)
+    capacity = decided
+    if elastic and moe_slots == "auto" and isinstance(decided, int) and total:
+        capacity = _elastic_capacity(index, decided, kwargs, options.resident_layers, total, sizing_floor, notes)
+    plan, options = _plan_pools(index, capacity, options, notes)
     est = _estimate(index, plan, kwargs, options, notes)
+    if capacity != decided:  # resident at load: what the live budget holds, below the capacity
+        at_load = plan_slots(index, decided, options.policy, options.resident_layers)
+        if options.budget is None:
+            options = replace(options, budget=at_load.pool_bytes)
+        est = estimate(index, at_load, **kwargs)
     if guard:
         check(est, index, plan, available=available, floor=sizing_floor if plan is not None else floor,
               force=force, what=what or f"loading {Path(index.path).name}")
-    load = LoadPlan(requested=moe_slots, moe_slots=decided, plan=plan, estimate=est, available=available,
+    load = LoadPlan(requested=moe_slots, moe_slots=capacity, plan=plan, estimate=est, available=available,
                     floor=floor, notes=notes, index=index, options=options)
     if plan is None and not (options.trace and index.is_moe):
         return load  # stock: nothing for the sidecar
@@ -364,6 +376,24 @@ def _controller(load, kwargs):
                  f"({', '.join(s.get('limit', s.get('available')) for s in sources)}) and take it again when "
                  "it is free")
     return {"reserve": reserve, "interval_ms": ELASTIC_INTERVAL_MS, "sources": sources[:4]}
+
+
+def _elastic_capacity(index, budget_slots, kwargs, resident_layers, total, sizing_floor, notes):
+    """The slots per layer of elastic "auto" pools: those that fit in what the binding limit
+    (total bytes: the memory cgroup's, else the machine's) would leave this process alone, above the
+    budget_slots that fit in what is free now. The live budget starts at budget_slots and the
+    controller grows it into the rest as memory is free (csrc/pressure.c); slots never filled
+    take no memory (the host pools are reserved without commit). Never every expert: that would
+    pin the pools in place."""
+    own = proc_status().get("VmRSS", 0)  # (this process's interpreter and libraries: not the estimate's)
+    params = estimate(index, None, **kwargs).params
+    slots = max_slots_that_fit(index, total - own - sizing_floor, params, resident_layers)
+    slots = min(slots, max(index.n_expert - 1, index.n_expert_used))
+    if slots <= budget_slots:
+        return budget_slots
+    notes.append(f"moe-slots auto: a capacity of {slots} slots per layer, for {format_bytes(total)} of memory "
+                 f"if the load were alone; the live budget starts at {budget_slots} and grows into what is free")
+    return slots
 
 
 def _decide_slots(index, moe_slots, kwargs, resident_layers, available, floor, notes, sizing_floor=None):

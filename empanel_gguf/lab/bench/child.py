@@ -171,6 +171,7 @@ def child_main(spec_path: str) -> int:
 
     baseline_rss = proc_status().get("VmRSS")
     kwargs = _llama_kwargs(spec)
+    _neighbour_before_load(spec)
     phase("load")
     t0 = time.perf_counter()
     llm = _load(Llama, spec, kwargs)
@@ -276,6 +277,19 @@ def _phase_counts(after, before) -> dict:
             "moe": _delta(after[1], before[1]), **_disk_delta(after[2], before[2])}
 
 
+def _neighbour_before_load(spec):
+    """bench --neighbour-at load: the neighbour takes and touches its memory before the model
+    loads (kept in spec["_neighbour"] for the decode, which tells it to leave)."""
+    plan = spec.get("neighbour")
+    if not plan or plan["at"] != "load":
+        return
+    neighbour = Neighbour(plan["bytes"], time.perf_counter())
+    deadline = time.monotonic() + 120
+    while neighbour.held_s is None and neighbour.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spec["_neighbour"] = neighbour
+
+
 def _neighbour_in_prompt(spec):
     """bench --neighbour-in-prompt S: a timer that starts the neighbour S seconds into the measured
     prompt (kept in spec["_neighbour"] for the decode that follows); None without one."""
@@ -334,8 +348,9 @@ def _decode(llm, trace, spec) -> dict:
            "voluntary_switches": ru1.ru_nvcsw - ru0.ru_nvcsw, "involuntary_switches": ru1.ru_nivcsw - ru0.ru_nivcsw}
     out = {"n": len(times), "s": sum(times), "token_s": times, "finite": finite, "argmax": argmax, **cpu}
     if neighbour is not None:
-        out["neighbour"] = {**neighbour.outcome(), "at": 0 if spec.get("_neighbour") else plan["at"],
-                            "leave_at": plan.get("leave_at"), "in_prompt": spec.get("_neighbour") is not None}
+        early = spec.get("_neighbour") is not None  # (in the prompt, or before the load)
+        out["neighbour"] = {**neighbour.outcome(), "at": 0 if early else plan["at"], "leave_at": plan.get("leave_at"),
+                            "in_prompt": early and plan["at"] != "load", "at_load": plan["at"] == "load"}
         stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
         out["budget"] = (stats or {}).get("budget")
     return out

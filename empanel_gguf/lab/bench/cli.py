@@ -93,6 +93,11 @@ def write_json(bench: Bench, configs, rows=None, tables=None):
     os.replace(tmp, out)
 
 
+def _token_or_load(text):
+    """--neighbour-at: a decoded token's index, or "load" (before the model loads)."""
+    return "load" if text == "load" else int(text)
+
+
 def _size(text):
     from ...planning.sizing import parse_size
 
@@ -176,8 +181,10 @@ def setup_arg_parser():
     g.add_argument("--neighbour", type=_size, default=None, metavar="SIZE",
                    help="another program in the run's memory cgroup takes SIZE (e.g. 2GiB), touches and holds it "
                         "mid-decode: who survives, and how fast decoding goes on (the neighbour table)")
-    g.add_argument("--neighbour-at", type=int, default=None, metavar="N",
-                   help="the decoded token before which it comes (default: a quarter of -n)")
+    g.add_argument("--neighbour-at", type=_token_or_load, default=None, metavar="N|load",
+                   help="the decoded token before which it comes (default: a quarter of -n); load: it holds its "
+                        "memory before the model loads (pools planned around it; with --neighbour-leave, how "
+                        "they grow once it is gone)")
     g.add_argument("--neighbour-in-prompt", type=float, default=None, metavar="S",
                    help="it comes S seconds into the measured prompt instead (and holds through the decode)")
     g.add_argument("--neighbour-leave", type=int, default=None, metavar="N",

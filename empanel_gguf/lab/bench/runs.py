@@ -299,6 +299,7 @@ def sample_metrics(s: dict) -> dict:
         m["budget_lowest"] = budget.get("lowest_bytes")
         m["budget_given_back"] = budget.get("given_back_bytes")
         m["budget_shrink_ms"] = budget.get("max_shrink_ms")
+        m["budget_end"], m["budget_capacity"] = budget.get("budget_bytes"), budget.get("capacity_bytes")
     w = s.get("warmup")  # the first run after load: cold pools / page cache
     if w:
         for ph in ("pp", "tg"):

@@ -20,6 +20,7 @@
 #include <stdexcept>
 
 #ifndef _WIN32
+#include <sys/mman.h>
 #include <sys/stat.h>
 #endif
 
@@ -33,10 +34,48 @@ static bool llama_empanel_backend_skips_pairs(ggml_backend_reg_t reg) {
     return strcmp(name, "CPU") == 0 || strcmp(name, "Vulkan") == 0;
 }
 
+llama_empanel_reserve::~llama_empanel_reserve() {
+#ifndef _WIN32
+    munmap(addr, size);
+#endif
+}
+
+// a CPU buffer of size bytes over address space reserved without commit: a capacity of slots
+// larger than memory (and swap) is not refused by the kernel's overcommit heuristic, as one
+// malloc of it would be, and untouched slots cost nothing, as before. The range is the entry's
+// (reserves), unmapped with it; nullptr where there is no such mapping (the buffer type's own
+// allocation then)
+static ggml_backend_buffer_t llama_empanel_reserve_cpu_buffer(size_t size,
+                                                             std::vector<std::unique_ptr<llama_empanel_reserve>> & reserves) {
+#if !defined(_WIN32) && defined(MAP_ANONYMOUS)
+#ifdef MAP_NORESERVE
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+#else
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS;
+#endif
+    void * addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (addr == MAP_FAILED) {
+        return nullptr;
+    }
+    auto reserve = std::make_unique<llama_empanel_reserve>(addr, size);
+    ggml_backend_buffer_t buf = ggml_backend_cpu_buffer_from_ptr(addr, size);
+    if (buf != nullptr) {
+        reserves.push_back(std::move(reserve));
+    }
+    return buf;
+#else
+    GGML_UNUSED(size);
+    GGML_UNUSED(reserves);
+    return nullptr;
+#endif
+}
+
 // pools in plain host memory: each pool's data at its file offset modulo the O_DIRECT block, so
-// that the sidecar's reads land in its slots with no copy (csrc/reader.c); a block more per pool
+// that the sidecar's reads land in its slots with no copy (csrc/reader.c); a block more per pool.
+// Pools of the CPU's own buffer type are reserved without commit (llama_empanel_reserve_cpu_buffer)
 static ggml_backend_buffer_t llama_empanel_alloc_at_phase(const llama_empanel_load & load, ggml_context * ctx,
-                                                          ggml_backend_buffer_type_t buft) {
+                                                          ggml_backend_buffer_type_t buft,
+                                                          std::vector<std::unique_ptr<llama_empanel_reserve>> & reserves) {
     const size_t block = LLAMA_EMPANEL_READ_ALIGN;
     const size_t align = ggml_backend_buft_get_alignment(buft);
     auto phase_of = [&](const ggml_tensor * t) {
@@ -47,7 +86,11 @@ static ggml_backend_buffer_t llama_empanel_alloc_at_phase(const llama_empanel_lo
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
         size = GGML_PAD(size, block) + phase_of(t) + ggml_backend_buft_get_alloc_size(buft, t);
     }
-    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, size + block);
+    ggml_backend_buffer_t buf = buft == ggml_backend_cpu_buffer_type() ? llama_empanel_reserve_cpu_buffer(size + block, reserves)
+                                                                       : nullptr;
+    if (buf == nullptr) {
+        buf = ggml_backend_buft_alloc_buffer(buft, size + block);
+    }
     if (buf == nullptr) {
         return nullptr;
     }
@@ -67,7 +110,8 @@ static ggml_backend_buffer_t llama_empanel_alloc_at_phase(const llama_empanel_lo
 // the buffer of the pools in ctx (buffer type buft), zeroed where it is device memory; a no_alloc
 // load (a program sizing its memory) gets a dummy buffer, as for the other weights
 static ggml_backend_buffer_t llama_empanel_alloc_pool_buffer(const llama_empanel_load & load, ggml_context * ctx,
-                                                             ggml_backend_buffer_type_t buft, bool no_alloc) {
+                                                             ggml_backend_buffer_type_t buft, bool no_alloc,
+                                                             std::vector<std::unique_ptr<llama_empanel_reserve>> & reserves) {
     ggml_backend_buffer_t buf;
     if (no_alloc) {
         buf = ggml_backend_buft_alloc_buffer(buft, 0);
@@ -75,7 +119,7 @@ static ggml_backend_buffer_t llama_empanel_alloc_pool_buffer(const llama_empanel
             t->buffer = buf;
         }
     } else {
-        buf = ggml_backend_buft_is_host(buft) ? llama_empanel_alloc_at_phase(load, ctx, buft)
+        buf = ggml_backend_buft_is_host(buft) ? llama_empanel_alloc_at_phase(load, ctx, buft, reserves)
                                               : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (buf == nullptr) {
             throw std::runtime_error(format("empanel: unable to allocate the %s slot pools", ggml_backend_buft_name(buft)));
@@ -213,9 +257,9 @@ void llama_empanel_alloc_pools(const llama_model * model, bool no_alloc, llama_e
 
     for (auto & [buft, ctx_ptr] : load->pool_ctxs) {
         ggml_context * ctx = ctx_ptr.get();
-        ggml_backend_buffer_t buf = llama_empanel_alloc_pool_buffer(*load, ctx, buft, no_alloc);
+        ggml_backend_buffer_t buf = llama_empanel_alloc_pool_buffer(*load, ctx, buft, no_alloc, entry.reserves);
         LLAMA_LOG_INFO("%s: %12s slot pools size = %8.2f MiB\n", __func__,
-                ggml_backend_buffer_name(buf), ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
+                ggml_backend_buft_name(buft), ggml_backend_buffer_get_size(buf)/1024.0/1024.0);
         llama_empanel_add_pools(*load, entry, layer_of, ctx, buf, no_alloc);
 
         std::vector<ggml_backend_buffer_ptr> bufs;

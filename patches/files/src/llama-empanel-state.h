@@ -100,6 +100,17 @@ struct llama_empanel_load {
     std::vector<ggml_tensor *>                             observed; // resident weights of observed layers
 };
 
+// host pools reserved without commit (llama-empanel-pools.cpp): address space for every slot of
+// the capacity, charged only as slots are filled; unmapped with the model's entry
+struct llama_empanel_reserve {
+    void * addr = nullptr;
+    size_t size = 0; // bytes
+    llama_empanel_reserve(void * addr, size_t size) : addr(addr), size(size) {}
+    llama_empanel_reserve(const llama_empanel_reserve &) = delete;
+    llama_empanel_reserve & operator=(const llama_empanel_reserve &) = delete;
+    ~llama_empanel_reserve();
+};
+
 // the pools of a loaded model
 struct llama_empanel_model {
     std::unique_ptr<llama_empanel_hooks>                    hooks;    // the load's, for every layer
@@ -110,6 +121,7 @@ struct llama_empanel_model {
     // its last kernel (llama_empanel_graph_begin/end); NULL: every layer pinned, nothing shared
     std::unique_ptr<std::mutex>                             graph_lock;
     std::vector<std::pair<uint64_t, uint64_t>>              files;    // (st_dev, st_ino) of each file the loader read
+    std::vector<std::unique_ptr<llama_empanel_reserve>>     reserves; // the host pools' ranges (CPU buffers over them)
 };
 
 // llama-empanel.cpp: the plan of the load on this thread, nullptr without one
