@@ -14,8 +14,52 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <thread>
+
+// an op run by thread 0 alone (llama_empanel_once): the other threads return from it only once
+// thread 0 has finished it, yielding for up to LLAMA_EMPANEL_ONCE_SPIN_US and then asleep, so
+// that a remap or a wait for reads does not keep them spinning in ggml's barrier after the node
+// (25-33 % of a paging decode's CPU samples on two threads, issue 52). Thread ith's k-th entry
+// waits for thread 0's k-th finish: never longer than the current run, since thread 0 runs every
+// computation's node (a thread that skipped runs, with fewer threads then, just does not wait)
+// EMPANEL_OP_SPIN=1 keeps the others spinning in the barrier, as before (a measurement switch:
+// bench config /EMPANEL_OP_SPIN=1)
+#define LLAMA_EMPANEL_ONCE_SPIN_US 20
+static bool llama_empanel_once_first(llama_empanel_once & once, int ith) {
+    static const bool spin = getenv("EMPANEL_OP_SPIN") != nullptr && strcmp(getenv("EMPANEL_OP_SPIN"), "1") == 0;
+    if (ith == 0) {
+        return true;
+    }
+    if (spin || ith >= LLAMA_EMPANEL_ONCE_THREADS) {
+        return false;
+    }
+    const uint32_t run = once.entered[ith].fetch_add(1, std::memory_order_relaxed) + 1;
+    const auto     t0  = std::chrono::steady_clock::now();
+    while (once.done.load(std::memory_order_acquire) < run) {
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(LLAMA_EMPANEL_ONCE_SPIN_US)) {
+            std::unique_lock<std::mutex> lock(once.m);
+            once.sleepers.fetch_add(1, std::memory_order_seq_cst);
+            once.cv.wait(lock, [&] { return once.done.load(std::memory_order_seq_cst) >= run; });
+            once.sleepers.fetch_sub(1, std::memory_order_relaxed);
+            break;
+        }
+        std::this_thread::yield();
+    }
+    return false;
+}
+
+// thread 0 has run the op: the others may go on
+static void llama_empanel_once_done(llama_empanel_once & once) {
+    once.done.fetch_add(1, std::memory_order_seq_cst);
+    if (once.sleepers.load(std::memory_order_seq_cst) > 0) {
+        std::lock_guard<std::mutex> lock(once.m);
+        once.cv.notify_all();
+    }
+}
 
 // the sidecar's remap: slot_ids [n_used, n_tokens] (contiguous) for a = expert ids [n_used,
 // n_tokens] of one wave of one pool (wave == NULL: all the layer's pools, one wave); 0 on success
@@ -38,17 +82,20 @@ static void llama_empanel_run_remap(ggml_tensor * dst, const ggml_tensor * a, co
 
 static void llama_empanel_remap_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
-    if (ith == 0) {
-        llama_empanel_run_remap(dst, a, (const llama_empanel_layer *) userdata, nullptr);
+    const auto * layer = (const llama_empanel_layer *) userdata;
+    if (llama_empanel_once_first(*layer->remap_once, ith)) {
+        llama_empanel_run_remap(dst, a, layer, nullptr);
+        llama_empanel_once_done(*layer->remap_once);
     }
 }
 
 // the first wave of a pool: a = expert ids
 static void llama_empanel_wave_first_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
-    if (ith == 0) {
-        const auto * wave = (const llama_empanel_wave *) userdata;
+    const auto * wave = (const llama_empanel_wave *) userdata;
+    if (llama_empanel_once_first(*wave->once, ith)) {
         llama_empanel_run_remap(dst, a, wave->layer, wave);
+        llama_empanel_once_done(*wave->once);
     }
 }
 
@@ -136,13 +183,14 @@ static int32_t llama_empanel_n_waves(const llama_empanel_layer * layer, int64_t 
 // later layer) handed to the sidecar: after this layer's remap, before its experts compute
 static void llama_empanel_guess_op(ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
-    if (ith != 0) {
+    const llama_empanel_guess * g = (const llama_empanel_guess *) userdata;
+    if (!llama_empanel_once_first(*g->once, ith)) {
         return;
     }
     memcpy(dst->data, a->data, ggml_nbytes(a));
-    const llama_empanel_guess * g = (const llama_empanel_guess *) userdata;
     g->target->hooks->guess(g->target->hooks->user, g->target->il, g->distance, (const int32_t *) b->data,
                      b->nb[1]/sizeof(int32_t), (int32_t) b->ne[0], (int32_t) b->ne[1]);
+    llama_empanel_once_done(*g->once);
 }
 
 ggml_tensor * llama_empanel_build_guess(ggml_context * ctx, const ggml_tensor * w, ggml_tensor * cur, ggml_tensor * slot_ids,
@@ -272,15 +320,16 @@ static ggml_tensor * llama_empanel_masked_wave(ggml_context * ctx, ggml_tensor *
 // CPU op: dst = a (slot ids), once the experts the remap placed in pool `userdata->pool` hold their bytes
 static void llama_empanel_ready_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
-    if (ith != 0) {
+    const auto * ready = (const llama_empanel_ready *) userdata;
+    if (!llama_empanel_once_first(*ready->once, ith)) {
         return;
     }
-    const auto * ready = (const llama_empanel_ready *) userdata;
     if (ready->layer->hooks->ready(ready->layer->hooks->user, ready->layer->il, ready->pool) == 0) {
         memcpy(dst->data, a->data, ggml_nbytes(a));
     } else {
         memset(dst->data, 0, ggml_nbytes(dst)); // slot 0; the sidecar's abort callback stops this graph
     }
+    llama_empanel_once_done(*ready->once);
 }
 
 // one wave over pool w (ids: the layer's slot ids): in host memory, the MUL_MAT_ID first waits for

@@ -13,6 +13,9 @@
 #include "ggml.h"
 #include "ggml-cpp.h"
 
+#include <array>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -37,24 +40,41 @@ struct llama_empanel_hooks {
 
 struct llama_empanel_layer;
 
+// an op that one thread runs (ith 0: a remap, a wait for reads) while ggml's other threads wait
+// for it here, briefly spinning and then asleep, rather than spinning in ggml's barrier after
+// the node, where a read-bound op would burn the cores the reads need
+// (llama-empanel-graph.cpp, llama_empanel_once_wait). Each op runs once per graph computation
+#define LLAMA_EMPANEL_ONCE_THREADS 64 // threads ith < this wait asleep; the others spin as before
+struct llama_empanel_once {
+    std::atomic<uint32_t> done{0};     // runs thread 0 has finished
+    std::atomic<int32_t>  sleepers{0}; // threads asleep on cv
+    std::array<std::atomic<uint32_t>, LLAMA_EMPANEL_ONCE_THREADS> entered{}; // runs thread ith entered
+    std::mutex              m;
+    std::condition_variable cv;
+};
+using llama_empanel_once_ptr = std::unique_ptr<llama_empanel_once>;
+
 // what the remap op of one wave of one pool calls (the op's userdata)
 struct llama_empanel_wave {
-    llama_empanel_layer * layer;
-    const ggml_tensor   * pool;
-    int32_t               wave;
-    int32_t               n_waves;
+    llama_empanel_layer  * layer;
+    const ggml_tensor    * pool;
+    int32_t                wave;
+    int32_t                n_waves;
+    llama_empanel_once_ptr once = std::make_unique<llama_empanel_once>();
 };
 
 // what the ready op of one pool calls (the op's userdata)
 struct llama_empanel_ready {
-    llama_empanel_layer * layer;
-    const ggml_tensor   * pool;
+    llama_empanel_layer  * layer;
+    const ggml_tensor    * pool;
+    llama_empanel_once_ptr once = std::make_unique<llama_empanel_once>();
 };
 
 // what the guess op of one paged layer for a later one calls (the op's userdata)
 struct llama_empanel_guess {
-    llama_empanel_layer * target;   // the layer guessed
-    int32_t               distance; // paged layers ahead
+    llama_empanel_layer  * target;   // the layer guessed
+    int32_t                distance; // paged layers ahead
+    llama_empanel_once_ptr once = std::make_unique<llama_empanel_once>();
 };
 
 // what the remap op of one paged layer calls
@@ -77,6 +97,7 @@ struct llama_empanel_layer {
     // pool (made under the registry's lock: llama_empanel_wave_of, llama_empanel_ready_of)
     std::map<std::tuple<const ggml_tensor *, int32_t, int32_t>, std::unique_ptr<llama_empanel_wave>> wave_ops;
     std::map<const ggml_tensor *, std::unique_ptr<llama_empanel_ready>>                              ready_ops;
+    llama_empanel_once_ptr remap_once = std::make_unique<llama_empanel_once>(); // the remap op's
 
     // the routing substitution (subst) and the ready waits apply to paged layers, never to
     // observed ones
