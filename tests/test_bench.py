@@ -132,6 +132,25 @@ def test_smoke_run_with_a_neighbour(bench, tiny_model, tmp_path):
     assert "neighbour: 16.00 MiB taken before decoded token 2, freed before token 6" in doc["tables"]["neighbour"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_smoke_run_on_tmpfs_with_a_neighbour_at_load(bench, tiny_model, tmp_path):
+    """--tmpfs: the runs read a copy of the model in /dev/shm, removed at the end; --neighbour-at
+    load: the neighbour holds its memory before the model loads and leaves before token 4."""
+    out = tmp_path / "bench.json"
+    before = set(os.listdir("/dev/shm"))
+    argv = ["-m", str(tiny_model), "--configs", "empanel-min/elastic=on", "-r", "1", "-p", "16", "-n", "8", "-t", "1",
+            "--no-cap", "--no-cgroup", "--no-drop-caches", "--probe-s", "0", "--no-warmup", "--timeout", "120",
+            "--json", str(out), "--log-dir", str(tmp_path / "logs"), "--tmpfs",
+            "--neighbour", "16MiB", "--neighbour-at", "load", "--neighbour-leave", "4"]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"]["path"].startswith("/dev/shm/") and set(os.listdir("/dev/shm")) <= before
+    nb = doc["samples"][0]["tg"]["neighbour"]
+    assert nb["at_load"] and nb["rc"] == 0 and nb["held_s"] is not None
+    assert doc["rows"][0]["status"] == "ok" and doc["rows"][0]["tg_after_tps"] > 0
+    assert "taken before the load, freed before token 4" in doc["tables"]["neighbour"]
+
+
 def test_smoke_run_of_a_cold_long_prompt(bench, tiny_model, tmp_path):
     """--no-warmup, a prompt longer than 512 tokens: each run keeps its own micro-batch (stock
     512 without flash attention, the pools the plan's: one call), the ceiling runs stock
