@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a decoded token's CPU time goes: one fresh process decodes after a warm-up while
 `perf record -e cpu-clock` samples it (this VM has no hardware counters), then the share of each
-symbol (and of each thread) is printed, with the project's own timers beside it.
+symbol is printed, with the project's own timers beside it.
 
     python3 scripts/profile_decode.py M12.gguf --moe-slots 25% -n 32
     python3 scripts/profile_decode.py M12.gguf --stock --no-repack -n 32   # stock in the same layout
@@ -113,13 +113,13 @@ def report(result, data, top):
         per = {k: 1000 * moe.get(k, 0) / n for k in ("remap_s", "wait_s", "ready_s", "read_s", "read_cpu_s")}
         print("sidecar per token: " + ", ".join(f"{k[:-2]} {v:.2f} ms" for k, v in per.items())
               + f", misses {moe.get('misses', 0) / n:.1f}")
-    for sort in ("comm", "dso,symbol"):
-        out = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", sort,
-                              "--percent-limit", "0.5"], capture_output=True, text=True).stdout
-        lines = [line for line in out.splitlines() if line.strip() and not line.startswith("#")]
-        print(f"\n{sort}: share of samples (cpu-clock)")
-        for line in lines[:top]:
-            print("  " + line.strip())
+    # (by symbol only: ggml's threads and the readers all carry the interpreter's name)
+    out = subprocess.run(["perf", "report", "-i", str(data), "--stdio", "--no-children", "--sort", "dso,symbol",
+                          "--percent-limit", "0.5"], capture_output=True, text=True).stdout
+    lines = [line for line in out.splitlines() if line.strip() and not line.startswith("#")]
+    print("\nshare of samples (cpu-clock) by symbol")
+    for line in lines[:top]:
+        print("  " + line.strip())
 
 
 if __name__ == "__main__":

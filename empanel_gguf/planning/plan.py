@@ -317,7 +317,10 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     decided = _decide_slots(index, moe_slots, kwargs, options.resident_layers, available, floor, notes,
                             sizing_floor)
     capacity = decided
-    if elastic and moe_slots == "auto" and isinstance(decided, int) and total:
+    # (host pools are reserved without commit in the CPU's own buffer type only: with a GPU device,
+    # llama.cpp keeps CPU layers in its pinned host buffer, which a larger capacity would commit)
+    if elastic and moe_slots == "auto" and isinstance(decided, int) and total and not kwargs["n_gpu_layers"] \
+            and not waves_may_be_masked():
         capacity = _elastic_capacity(index, decided, kwargs, options.resident_layers, total, sizing_floor, notes)
     plan, options = _plan_pools(index, capacity, options, notes)
     est = _estimate(index, plan, kwargs, options, notes)
@@ -386,8 +389,7 @@ def _elastic_capacity(index, budget_slots, kwargs, resident_layers, total, sizin
     take no memory (the host pools are reserved without commit). Never every expert: that would
     pin the pools in place."""
     own = proc_status().get("VmRSS", 0)  # (this process's interpreter and libraries: not the estimate's)
-    params = estimate(index, None, **kwargs).params
-    slots = max_slots_that_fit(index, total - own - sizing_floor, params, resident_layers)
+    slots = max_slots_that_fit(index, total - own - sizing_floor, kwargs, resident_layers)
     slots = min(slots, max(index.n_expert - 1, index.n_expert_used))
     if slots <= budget_slots:
         return budget_slots

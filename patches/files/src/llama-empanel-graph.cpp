@@ -30,7 +30,10 @@
 // bench config /EMPANEL_OP_SPIN=1)
 #define LLAMA_EMPANEL_ONCE_SPIN_US 20
 static bool llama_empanel_once_first(llama_empanel_once & once, int ith) {
-    static const bool spin = getenv("EMPANEL_OP_SPIN") != nullptr && strcmp(getenv("EMPANEL_OP_SPIN"), "1") == 0;
+    static const bool spin = [] {
+        const char * value = getenv("EMPANEL_OP_SPIN");
+        return value != nullptr && strcmp(value, "1") == 0;
+    }();
     if (ith == 0) {
         return true;
     }
