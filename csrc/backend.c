@@ -5,6 +5,7 @@
 
 #include "backend.h"
 #include "common.h"
+#include "repack.h"
 
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -114,6 +115,53 @@ int32_t empanel_backend_slot_write(void * pool_tensor, int32_t slot, const void 
     }
     ggml_backend_tensor_set(t, data, (size_t) slot * t->nb[2], size); // device memory
     return 0;
+}
+
+// whether repack.c has the layout ggml-cpu gives this tensor (checked against ggml's output before use)
+static int own_repack_fits(const struct ggml_tensor * t) {
+    return (t->type == GGML_TYPE_Q4_K || t->type == GGML_TYPE_Q2_K) && t->ne[0] % 256 == 0 && t->ne[1] % 8 == 0;
+}
+
+static void own_repack(const struct ggml_tensor * t, uint8_t * dst, const void * data) {
+    if (t->type == GGML_TYPE_Q4_K) {
+        empanel_repack_q4_K_8x8(dst, data, t->ne[1], t->ne[0] / 256);
+    } else {
+        empanel_repack_q2_K_8x8(dst, data, t->ne[1], t->ne[0] / 256);
+    }
+}
+
+int32_t empanel_backend_slot_repack(void * pool_tensor, int32_t slot, const void * data, size_t size,
+                                    atomic_int * own, int * by_own) {
+    struct ggml_tensor * t = pool_tensor;
+    *by_own = 0;
+    if (t == NULL || t->buffer == NULL || t->extra == NULL || slot < 0 || slot >= t->ne[2] || size != t->nb[2]) {
+        return empanel_backend_slot_write(pool_tensor, slot, data, size);
+    }
+    uint8_t * dst = (uint8_t *) t->data + (size_t) slot * t->nb[2]; // [nb[2]] bytes of ggml's layout
+    if (atomic_load(own) == 2) {
+        own_repack(t, dst, data);
+        *by_own = 1;
+        return 0;
+    }
+    int unchecked = 0;
+    if (!own_repack_fits(t) || !atomic_compare_exchange_strong(own, &unchecked, 1)) {
+        return empanel_backend_slot_write(pool_tensor, slot, data, size); // (3, or another thread checks)
+    }
+    const int32_t rc = empanel_backend_slot_write(pool_tensor, slot, data, size);
+    uint8_t * mine = rc == 0 ? malloc(size) : NULL;
+    if (mine != NULL) {
+        own_repack(t, mine, data);
+    }
+    // an expert of one repeated byte (a hole in a sparse file) reads the same in any layout: it
+    // proves nothing, so a later expert is checked instead
+    const uint8_t * bytes = data;
+    size_t same = 1;
+    while (same < size && bytes[same] == bytes[0]) {
+        same++;
+    }
+    atomic_store(own, mine == NULL || memcmp(mine, dst, size) != 0 ? 3 : same == size ? 0 : 2);
+    free(mine);
+    return rc;
 }
 
 int32_t empanel_offload_devices(void) {

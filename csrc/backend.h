@@ -6,6 +6,7 @@
 
 #include "empanel.h"
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,3 +24,9 @@ void    empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_ed
 // one expert's bytes as stored in the GGUF (nb[2] bytes) into slot `slot`: copied, repacked
 // (CPU_REPACK) or sent to the device; 0 on success
 int32_t empanel_backend_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);
+// the same into a CPU_REPACK pool by the sidecar's own repack where it has one for the tensor's
+// layout: the first expert of each tensor (*own 0) is repacked by ggml and by ours, compared, and
+// *own set to 2 (equal: ours from now on) or 3 (ggml's always; set at bind by EMPANEL_REPACK=ggml).
+// 0 on success, *by_own set where ours wrote the slot
+int32_t empanel_backend_slot_repack(void * pool_tensor, int32_t slot, const void * data, size_t size,
+                                    atomic_int * own, int * by_own);

@@ -113,6 +113,8 @@ static int32_t plan_chunks(const struct empanel_reader * reader, struct empanel_
     }
     atomic_store(&job->chunks_left, n);
     job->verify_ns = 0;
+    job->repack_ns = 0;
+    job->repack_own = 0;
     return n;
 }
 
@@ -186,6 +188,8 @@ static void plan_job(struct empanel_pool * pool, struct empanel_batch * batch, s
     if (job->tier == 2) { // written from the tier at the finish, nothing to read
         atomic_store(&job->chunks_left, 0);
         job->verify_ns = 0;
+        job->repack_ns = 0;
+        job->repack_own = 0;
         job->landed    = 1;
         bp->n_jobs++;
         return;
@@ -400,6 +404,11 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
         if (job->tensor->digest != NULL && job->tier != 2) { // (a host hit was checked when it was read)
             layer->stats.verified  += 1;
             layer->stats.verify_ns += job->verify_ns;
+        }
+        if (job->convert == 1) {
+            layer->stats.repack_bytes += job->tensor->expert_size;
+            layer->stats.repack_ns    += job->repack_ns;
+            layer->stats.repack_own_bytes += job->repack_own ? job->tensor->expert_size : 0;
         }
     }
     const uint64_t done = posted->done_ns > batch->t0 ? posted->done_ns : t1;

@@ -96,6 +96,19 @@ int empanel_chunk_convert(struct empanel_pool * pool, const struct empanel_read_
     return 0;
 }
 
+// staging -> a CPU_REPACK slot by the reader thread that landed the expert (the sidecar's own
+// repack where backend.c has one for the tensor), timed (repack_ns)
+static int repack_job(struct empanel_pool * pool, struct empanel_read_job * job) {
+    const uint64_t t0 = empanel_util_now_ns();
+    struct empanel_tensor * t = job->tensor;
+    if (empanel_backend_slot_repack(t->pool, job->slot, job->dst, t->expert_size, &t->repack_own, &job->repack_own) != 0) {
+        empanel_util_set_error(pool, "%s: repacking expert %d into slot %d failed", t->name, job->expert, job->slot);
+        return -1;
+    }
+    job->repack_ns = empanel_util_now_ns() - t0;
+    return 0;
+}
+
 // the test failpoint (EMPANEL_FAULT_READ_AFTER / _COUNT): -1 if this read request is to fail
 static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c) {
     const int64_t request = pool->fault.after > 0 ? atomic_fetch_add(&pool->fault.n_requests, 1) + 1 : 0;
@@ -161,7 +174,7 @@ void empanel_chunk_land(struct empanel_reader * reader, struct empanel_posted * 
             job->remote_hash = empanel_rpc_hash(job->dst, job->tensor->expert_size); // its name on the host
         }
         if ((job->tensor->digest != NULL && verify_job(pool, job) != 0) ||
-            (job->convert == 1 && empanel_chunk_convert(pool, job) != 0)) { // repack it now
+            (job->convert == 1 && repack_job(pool, job) != 0)) { // repack it now
             failed = 1;
         } else {
             job->landed = 1;

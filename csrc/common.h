@@ -9,6 +9,7 @@
 // includes only the headers of the units below it: tests/test_seams.py derives the layers from
 // the includes and checks that they form no circle):
 //   util.c        errors, the clock, digests (the bottom)
+//   repack.c      the sidecar's own repack into ggml-cpu's interleaved layouts (Q4_K, Q2_K)
 //   backend.c     pool tensors through ggml's public backend API: slots, staging, pages, devices
 //   subst.c       the routing substitution hook
 //   files.c       the model files, their watch             ring.c       io_uring rings
@@ -60,6 +61,8 @@ struct empanel_tensor {
                             // (taken at its first read); NULL: reads are not verified
     struct empanel_remote * remote; // the pool is on an RPC host: what its cache holds (remote.c),
                                     // writes go by hash first; NULL unless RPC
+    atomic_int repack_own;  // CPU_REPACK pools: the sidecar's own repack (repack.c) for this tensor:
+                            // 0 not checked yet, 1 being checked, 2 checked equal to ggml's, 3 not used
 };
 
 static inline uint64_t empanel_align_down(uint64_t x) { return x / EMPANEL_ALIGN * EMPANEL_ALIGN; }

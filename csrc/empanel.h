@@ -136,6 +136,9 @@ EMPANEL_API const char * empanel_policy_name(int32_t policy);
     X(substituted,     counter, "",                      "(token, expert) pairs whose missing expert got a resident stand-in.") \
     X(verified,        counter, "",                      "Expert tensors read whose bytes were checked against a digest.") \
     X(verify_ns,       counter, "",                      "Time the reader threads spent hashing (summed over threads).") \
+    X(repack_bytes,    counter, "",                      "Bytes of experts the reader threads repacked into CPU_REPACK slots (repacked pools).") \
+    X(repack_ns,       counter, "",                      "Time the reader threads spent repacking them (summed over threads).") \
+    X(repack_own_bytes, counter, "",                     "Of those, bytes the sidecar's own repack wrote (checked equal to ggml's on each tensor's first expert).") \
     X(remote_by_hash,  counter, "",                      "Expert tensors an RPC host wrote from its cache, asked by hash.") \
     X(host_hits,       counter, "host_hits_total",       "Expert tensors written into device slots from the host-RAM tier, not read from the drive.") \
     X(host_bytes,      counter, "",                      "Bytes of those.") \

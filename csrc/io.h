@@ -23,6 +23,8 @@ struct empanel_read_job {
     int        landed;      // every byte read (and checked, converted): set by the landing thread
     atomic_ullong skipped;  // payload bytes of its chunks skipped (dropped)
     uint64_t   verify_ns;   // time its thread took to hash it (moe_verify)
+    uint64_t   repack_ns;   // time its thread took to repack it (convert 1: CPU_REPACK pools)
+    int        repack_own;  // the sidecar's own repack wrote it (repack.c), not ggml's
     uint64_t   remote_hash; // RPC pools: FNV-1a of the bytes read, taken by the thread landing them
 };
 

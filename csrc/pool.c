@@ -325,6 +325,8 @@ void empanel_pool_free(struct empanel_pool * pool) {
 }
 
 int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const struct llama_empanel_pool_info * info) {
+    const char * repack = getenv("EMPANEL_REPACK");
+    const int repack_ggml = repack != NULL && strcmp(repack, "ggml") == 0;
     for (int32_t il = 0; il < pool->n_layer; il++) {
         struct empanel_layer * layer = &pool->layers[il];
         for (int32_t i = 0; i < layer->n_tensors; i++) {
@@ -350,6 +352,8 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const s
             t->direct = empanel_backend_slot_data(pool_tensor, 0) != NULL;
             t->masked = info->masked;
             t->host   = empanel_backend_host_data(pool_tensor);
+            // a new tensor: the own repack is checked again (EMPANEL_REPACK=ggml: ggml's only, for A/B runs)
+            atomic_store(&t->repack_own, repack_ggml ? 3 : 0);
             layer->device |= t->host == NULL;
             if (!empanel_rpc_tensor(pool_tensor)) {
                 empanel_remote_free(t->remote);
