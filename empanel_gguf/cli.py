@@ -12,6 +12,7 @@ COMMANDS = {
     "trace": "record every token's routed experts of a run into a trace file",
     "replay": "replay a routing trace through cache policies at several sizes",
     "calibrate": "save a warm-start profile: each layer's most used experts on a text",
+    "layout": "measure which weight layout paging pools run faster on this machine",
     "verify": "save (or check) the digest of every routed expert, for --moe-verify",
     "kl": "what routing substitution costs: KL divergence, top-1 agreement, reads saved",
     "bench": "benchmark against stock llama.cpp on the same model (synthetic or yours)",

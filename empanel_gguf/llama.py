@@ -189,6 +189,8 @@ class Llama(llama_cpp.Llama):
         """Per MoE layer and total: hits, misses, bytes read, read and remap time, slots, and
         "exact_to": the stock llama.cpp configuration whose logits these equal bit for bit (and
         "exact_kwargs": the arguments of that stock load here, Llama(path, moe_slots=None, ...)),
+        "layout": the weight layout ("repacked": llama.cpp's CPU repack buffers, "plain": --no-repack)
+        and "layout_why": the rule or measurement that chose it (`empanel-gguf layout`),
         "read_io": the read path taken ("threads" or "uring"), "budget": the live budget and its
         controller (moe_set_budget, moe_elastic); None without slot pools. With
         rpc_servers the total also has wire_sent, wire_received (bytes this process exchanged with
@@ -200,6 +202,9 @@ class Llama(llama_cpp.Llama):
         subst = options.subst if options is not None else None
         stats["exact_to"] = stock_equivalent(self.moe_repack, subst, self.moe_micro_batch)
         stats["exact_kwargs"] = stock_kwargs(self.moe_repack, subst, self.moe_micro_batch)
+        layout = self.moe_load.layout if self.moe_load is not None else None
+        stats["layout"] = "repacked" if self.moe_repack else "plain"
+        stats["layout_why"] = layout.why if layout is not None else "no slot pools"
         stats["read_io"] = self._experts.read_io()
         stats["budget"] = self._experts.budget()
         if self.rpc_servers:

@@ -200,28 +200,28 @@ def test_repack_auto_is_a_rule(fixture_dir, monkeypatch):
 
 def test_prefetch_auto_is_a_rule(fixture_dir):
     """moe_prefetch="auto" (the default) resolves at plan time, by rule: one layer read ahead where
-    the pools page in the plain layout under a per-layer policy with the guess on; none where the
-    pools hold every expert, are repacked, share g-lru's budget, or nothing guesses; a number
-    forces it; anything else is refused. The load and llama.cpp's plan carry the number."""
+    the pools page under a per-layer policy with the guess on, in either layout; none where the
+    pools hold every expert, share g-lru's budget, or nothing guesses; a number forces it;
+    anything else is refused. The load and llama.cpp's plan carry the number."""
     from empanel_gguf.planning.plan import moe_options, plan_load, resolve_prefetch
 
     path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
     index = load_index(path)
     paged, full = plan_slots(index, 4), plan_slots(index, index.n_expert)
-    assert resolve_prefetch("auto", paged, False, "lfu-decay") == 1
-    assert resolve_prefetch("auto", paged, False, "lru") == 1
-    assert resolve_prefetch("auto", paged, True, "lfu-decay") == 0      # repacked: the readers repack
-    assert resolve_prefetch("auto", paged, False, "g-lru") == 0         # no read-ahead beside other reads
-    assert resolve_prefetch("auto", paged, False, "lfu-decay", guess=False) == 0
-    assert resolve_prefetch("auto", full, False, "lfu-decay") == 0      # nothing to read
-    assert resolve_prefetch("auto", None, True, "lfu-decay") == 0       # stock
-    assert resolve_prefetch(0, paged, False, "lfu-decay") == 0 and resolve_prefetch(2, full, True, "lru") == 2
+    assert resolve_prefetch("auto", paged, "lfu-decay") == 1
+    assert resolve_prefetch("auto", paged, "lru") == 1
+    assert resolve_prefetch("auto", paged, "g-lru") == 0         # no read-ahead beside other reads
+    assert resolve_prefetch("auto", paged, "lfu-decay", guess=False) == 0
+    assert resolve_prefetch("auto", full, "lfu-decay") == 0      # nothing to read
+    assert resolve_prefetch("auto", None, "lfu-decay") == 0      # stock
+    assert resolve_prefetch(0, paged, "lfu-decay") == 0 and resolve_prefetch(2, full, "lru") == 2
     for bad in ("on", -1, True, 1.5):
         with pytest.raises(ValueError, match="moe_prefetch"):
-            resolve_prefetch(bad, paged, False, "lru")
-    load = plan_load(index, 4, {}, options=moe_options(), guard=False)
-    assert load.options.prefetch == 1 and load.pools.params["prefetch"] == 1 and load.pools.guess_depth == 1
-    load = plan_load(index, 4, {}, options=moe_options(moe_repack=True), guard=False)
+            resolve_prefetch(bad, paged, "lru")
+    for repack in (False, True):  # repacked pools read ahead too (the readers' repack is fast)
+        load = plan_load(index, 4, {}, options=moe_options(moe_repack=repack), guard=False)
+        assert load.options.prefetch == 1 and load.pools.params["prefetch"] == 1 and load.pools.guess_depth == 1
+    load = plan_load(index, 4, {}, options=moe_options(moe_prefetch=0), guard=False)
     assert load.options.prefetch == 0 and load.pools.params["prefetch"] == 0
 
 

@@ -264,11 +264,11 @@ OPTIONS = (
            doc="N > 0 also reads the guessed experts that are not resident while the layer N or fewer "
                "layers before computes (in a lane of their own behind the layer's own reads, the likeliest "
                "guesses first); when the guessed layer's remap comes, the reads of guesses it does not route "
-               'to are dropped unread. "auto": 1 where the pools page in the plain layout under a per-layer '
-               "policy (measured faster there: docs/performance.md), else 0. 0: no read-ahead.",
+               'to are dropped unread. "auto": 1 where the pools page under a per-layer policy (measured '
+               "faster there, in either layout: docs/performance.md), else 0. 0: no read-ahead.",
            help="also read the guessed experts that are not resident, N layers ahead, behind the layer's own "
                 "reads; reads of guesses the layer does not route to are dropped when it comes. auto (default): "
-                "1 where the pools page in the plain layout under a per-layer policy, else 0 (off)"),
+                "1 where the pools page under a per-layer policy, else 0 (off)"),
     Option("subst", None, parse=float, metavar="R", check=_subst, server=Optional[float],
            doc="routing substitution, opt-in and INEXACT: a ratio r in (0, 1]. When a routed expert is not "
                "resident, the best resident expert among the router's next top-k choices stands in if its "
@@ -287,10 +287,12 @@ OPTIONS = (
            doc='the weight layout. "auto": stock\'s defaults (CPU repack buffers) where the pools hold '
                "every expert, and none where they page, as llama.cpp's --no-repack (use_extra_bufts=False), "
                "pools included: reads land in the slots, nothing is repacked; measured faster when paging "
-               "(docs/performance.md). True / False force one. Outputs equal stock loaded with the same "
-               'layout; moe_stats()["exact_to"] names it.',
+               "(docs/performance.md), unless `empanel-gguf layout` measured repacked pools faster on this "
+               'machine (moe_stats()["layout_why"] says which chose). True / False force one. Outputs equal '
+               'stock loaded with the same layout; moe_stats()["exact_to"] names it.',
            help="auto (default): stock's CPU repack buffers where the pools hold every expert, none where they "
-                "page (plain pools: reads land in the slots, nothing is repacked; faster there); on: stock's "
+                "page (plain pools: reads land in the slots, nothing is repacked; faster there, unless "
+                "`empanel-gguf layout` measured otherwise on this machine); on: stock's "
                 "defaults always; off: as llama.cpp's --no-repack always. The report names the stock command "
                 "the outputs equal"),
     Option("batch", "auto", parse=parse_batch, metavar="auto|stock|N", check=_batch,

@@ -28,6 +28,7 @@ from .format import format_bytes
 from .guard import MemoryRefused, check, max_slots_that_fit
 from .host_memory import available_memory, default_floor, memory_sources, proc_status, total_memory
 from .index import adapter_expert_tensors
+from .layout import load_probe, resolve_layout
 from .options import OPTION, MoeOptions
 from .options import moe_options  # noqa: F401  (the faces' plan.moe_options: planning/options.py's)
 from .sizing import DEFAULT_POLICY, SlotPlan, parse_size, plan_slots, sizes_alike
@@ -40,32 +41,27 @@ ESTIMATE_KWARGS = {"n_ctx": 512, "n_batch": 512, "n_ubatch": 512, "n_gpu_layers"
 
 def resolve_repack(repack, plan) -> bool:
     """moe_repack -> whether the load keeps llama.cpp's CPU repack buffers (its defaults) or not
-    (--no-repack). "auto" is a rule, not a probe, so that a load never flips between layouts:
-    pools that hold every expert (or no pools) keep stock's defaults; pools that page are plain,
-    because there plain pools measured faster on every row (docs/performance.md, "The layout
-    default"): reads land in plain slots, while repacked slots cost the readers a repack of every
-    expert, and stock itself can only run such a model from the mapping, unrepacked. Where waves
-    may be masked (a device to offload to, or EMPANEL_WAVE_MASK=1) auto keeps the defaults too:
-    masked waves over plain Q4_K pools are not exact to stock --no-repack (tests/test_slots.py)."""
-    repack = OPTION["repack"].checked(repack)
-    if repack == "auto":
-        return plan is None or plan.holds_all or waves_may_be_masked()
-    return repack
+    (--no-repack), by layout.resolve_layout's rule: "auto" keeps stock's defaults where no pool
+    pages or waves may be masked (a device to offload to, or EMPANEL_WAVE_MASK=1: masked waves
+    over plain Q4_K pools are not exact to stock --no-repack, tests/test_slots.py), else plain
+    pools, measured faster on every paged row of this VM (docs/performance.md, "The layout
+    default"). plan_load also follows this machine's saved measurement (`empanel-gguf layout`)."""
+    return resolve_layout(OPTION["repack"].checked(repack), plan, None, waves_may_be_masked()).repack
 
 
-def resolve_prefetch(prefetch, plan, repack: bool, policy: str, guess: bool = True) -> int:
+def resolve_prefetch(prefetch, plan, policy: str, guess: bool = True) -> int:
     """moe_prefetch -> layers whose guessed experts are read ahead. "auto" is a rule, not a probe:
-    1 where the pools page in the plain layout (repack resolved False: host pools that reads land
-    in) under a per-layer policy, where a read-ahead goes in its own lane behind the reads of the
-    layer computing now (csrc/batch.c, empanel_batch_beside), else 0: measured faster on every
-    model there (docs/performance.md, "Read-ahead in its own lane"). Repacked pools (the readers
-    repack what they read) and g-lru (no read-ahead beside another layer's reads) keep none, as do
-    pools that hold every expert (nothing to read) and loads without the gate-ahead guess (nothing
-    to read ahead from)."""
+    1 where the pools page under a per-layer policy, where a read-ahead goes in its own lane
+    behind the reads of the layer computing now (csrc/batch.c, empanel_batch_beside), else 0:
+    measured faster on every model there (docs/performance.md, "Read-ahead in its own lane"),
+    repacked pools included (1.10x on the skewed 12-layer model under the cap, now that the readers
+    repack K-quants at 1.7-2.2x ggml's speed: csrc/repack.c, "The layout by measurement"). g-lru (no read-ahead beside another layer's reads) keeps none,
+    as do pools that hold every expert (nothing to read) and loads without the gate-ahead guess
+    (nothing to read ahead from)."""
     prefetch = OPTION["prefetch"].checked(prefetch)
     if prefetch == "auto":
         pages = plan is not None and not plan.holds_all
-        return 1 if pages and guess and not repack and policy != "g-lru" else 0
+        return 1 if pages and guess and policy != "g-lru" else 0
     return prefetch
 
 
@@ -228,6 +224,7 @@ class LoadPlan:
                                  # host_memory.memory_sources()}; None: the budget moves only when asked
     micro_batch: dict = field(default_factory=dict)  # moe_batch: Llama arguments the plan sets (n_batch,
                                  # n_ubatch, flash_attn); the faces pass them on
+    layout: object = None        # layout.Layout: the weight layout (options.repack) and why it was chosen
 
     def report(self, verbose=True):
         """The lines a face logs before the load: the warnings always; with verbose the notices and
@@ -322,7 +319,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     if elastic and moe_slots == "auto" and isinstance(decided, int) and total and not kwargs["n_gpu_layers"] \
             and not waves_may_be_masked():
         capacity = _elastic_capacity(index, decided, kwargs, options.resident_layers, total, sizing_floor, notes)
-    plan, options = _plan_pools(index, capacity, options, notes)
+    plan, options, layout = _plan_pools(index, capacity, options, notes)
     est = _estimate(index, plan, kwargs, options, notes)
     if capacity != decided:  # resident at load: what the live budget holds, below the capacity
         at_load = plan_slots(index, decided, options.policy, options.resident_layers)
@@ -333,7 +330,9 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         check(est, index, plan, available=available, floor=sizing_floor if plan is not None else floor,
               force=force, what=what or f"loading {Path(index.path).name}")
     load = LoadPlan(requested=moe_slots, moe_slots=capacity, plan=plan, estimate=est, available=available,
-                    floor=floor, notes=notes, index=index, options=options)
+                    floor=floor, notes=notes, index=index, options=options, layout=layout)
+    if layout.warning:
+        load.warnings.append(layout.warning)
     if plan is None and not (options.trace and index.is_moe):
         return load  # stock: nothing for the sidecar
     load.pools = pool_setup(index, plan, options)
@@ -427,7 +426,8 @@ def _decide_slots(index, moe_slots, kwargs, resident_layers, available, floor, n
 
 
 def _plan_pools(index, moe_slots, options, notes):
-    """(slots per layer or None, options with policy, repack and prefetch resolved). moe_policy
+    """(slots per layer or None, options with policy, repack and prefetch resolved, the
+    layout.Layout with why it was chosen). moe_policy
     "auto" plans the slots once under DEFAULT_POLICY to choose, and again only where the chosen
     policy sizes its pools otherwise (g-lru)."""
     plan = None
@@ -442,12 +442,19 @@ def _plan_pools(index, moe_slots, options, notes):
         options = replace(options, policy=DEFAULT_POLICY)  # (no pools: no eviction)
     if plan is not None and index.n_layer_nextn:
         notes.append(_mtp_line(index))
-    if options.repack == "auto" and plan is not None and not resolve_repack("auto", plan):
-        notes.append("moe_repack auto: the pools page, so no CPU repack buffers (plain pools, as llama.cpp "
-                     "--no-repack, whose outputs these equal; moe_repack=True keeps stock's defaults)")
-    repack = resolve_repack(options.repack, plan)
-    prefetch = resolve_prefetch(options.prefetch, plan, repack, options.policy, options.guess)
-    return plan, replace(options, repack=repack, prefetch=prefetch)
+    repack = OPTION["repack"].checked(options.repack)
+    masked, probe, warning = waves_may_be_masked(), None, ""
+    if repack == "auto" and plan is not None and not plan.holds_all and not masked:
+        try:
+            probe = load_probe(index)
+        except (OSError, ValueError) as e:
+            warning = f"moe_repack auto: {e}; the rule applies"
+    layout = replace(resolve_layout(repack, plan, probe, masked), warning=warning)
+    if repack == "auto" and plan is not None and not plan.holds_all:
+        notes.append(f"moe_repack auto: {'repacked' if layout.repack else 'plain'} pools, whose outputs equal llama.cpp "
+                     f"{'with its defaults' if layout.repack else '--no-repack'}; {layout.why}")
+    prefetch = resolve_prefetch(options.prefetch, plan, options.policy, options.guess)
+    return plan, replace(options, repack=layout.repack, prefetch=prefetch), layout
 
 
 def _estimate(index, plan, kwargs, options, notes):
