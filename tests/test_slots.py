@@ -198,16 +198,17 @@ def test_repack_auto_is_a_rule(fixture_dir, monkeypatch):
         resolve_repack("plain", paged)
 
 
-def test_prefetch_auto_is_a_rule(fixture_dir):
+def test_prefetch_auto_is_a_rule(fixture_dir, monkeypatch):
     """moe_prefetch="auto" (the default) resolves at plan time, by rule: one layer read ahead where
-    the pools page under a per-layer policy with the guess on, in either layout; none where the
-    pools hold every expert, share g-lru's budget, or nothing guesses; a number forces it;
+    host pools page under a per-layer policy with the guess on, in either layout; none where waves
+    may be masked (a device), the pools hold every expert, share g-lru's budget, or nothing guesses; a number forces it;
     anything else is refused. The load and llama.cpp's plan carry the number."""
     from empanel_gguf.planning.plan import moe_options, plan_load, resolve_prefetch
 
     path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
     index = load_index(path)
     paged, full = plan_slots(index, 4), plan_slots(index, index.n_expert)
+    monkeypatch.delenv("EMPANEL_WAVE_MASK", raising=False)
     assert resolve_prefetch("auto", paged, "lfu-decay") == 1
     assert resolve_prefetch("auto", paged, "lru") == 1
     assert resolve_prefetch("auto", paged, "g-lru") == 0         # no read-ahead beside other reads
@@ -215,6 +216,9 @@ def test_prefetch_auto_is_a_rule(fixture_dir):
     assert resolve_prefetch("auto", full, "lfu-decay") == 0      # nothing to read
     assert resolve_prefetch("auto", None, "lfu-decay") == 0      # stock
     assert resolve_prefetch(0, paged, "lfu-decay") == 0 and resolve_prefetch(2, full, "lru") == 2
+    monkeypatch.setenv("EMPANEL_WAVE_MASK", "1")  # as with a GPU or RPC device: never measured there
+    assert resolve_prefetch("auto", paged, "lfu-decay") == 0
+    monkeypatch.delenv("EMPANEL_WAVE_MASK")
     for bad in ("on", -1, True, 1.5):
         with pytest.raises(ValueError, match="moe_prefetch"):
             resolve_prefetch(bad, paged, "lru")

@@ -264,11 +264,12 @@ OPTIONS = (
            doc="N > 0 also reads the guessed experts that are not resident while the layer N or fewer "
                "layers before computes (in a lane of their own behind the layer's own reads, the likeliest "
                "guesses first); when the guessed layer's remap comes, the reads of guesses it does not route "
-               'to are dropped unread. "auto": 1 where the pools page under a per-layer policy (measured '
-               "faster there, in either layout: docs/performance.md), else 0. 0: no read-ahead.",
+               'to are dropped unread. "auto": 1 where host pools page under a per-layer policy (measured '
+               "faster there, in either layout: docs/performance.md), else 0 (with a GPU or RPC device too). "
+               "0: no read-ahead.",
            help="also read the guessed experts that are not resident, N layers ahead, behind the layer's own "
                 "reads; reads of guesses the layer does not route to are dropped when it comes. auto (default): "
-                "1 where the pools page under a per-layer policy, else 0 (off)"),
+                "1 where host pools page under a per-layer policy, else 0 (off)"),
     Option("subst", None, parse=float, metavar="R", check=_subst, server=Optional[float],
            doc="routing substitution, opt-in and INEXACT: a ratio r in (0, 1]. When a routed expert is not "
                "resident, the best resident expert among the router's next top-k choices stands in if its "

@@ -51,17 +51,19 @@ def resolve_repack(repack, plan) -> bool:
 
 def resolve_prefetch(prefetch, plan, policy: str, guess: bool = True) -> int:
     """moe_prefetch -> layers whose guessed experts are read ahead. "auto" is a rule, not a probe:
-    1 where the pools page under a per-layer policy, where a read-ahead goes in its own lane
+    1 where host pools page under a per-layer policy, where a read-ahead goes in its own lane
     behind the reads of the layer computing now (csrc/batch.c, empanel_batch_beside), else 0:
     measured faster on every model there (docs/performance.md, "Read-ahead in its own lane"),
     repacked pools included (1.10x on the skewed 12-layer model under the cap, now that the readers
-    repack K-quants at 1.7-2.2x ggml's speed: csrc/repack.c, "The layout by measurement"). g-lru (no read-ahead beside another layer's reads) keeps none,
-    as do pools that hold every expert (nothing to read) and loads without the gate-ahead guess
-    (nothing to read ahead from)."""
+    repack K-quants at 1.7-2.2x ggml's speed: csrc/repack.c, "The layout by measurement"). Where
+    waves may be masked (a GPU or RPC device: pools there were never measured with read-ahead,
+    and each expert read ahead costs an RPC host a write), g-lru (no read-ahead beside another
+    layer's reads), pools that hold every expert (nothing to read) and loads without the
+    gate-ahead guess (nothing to read ahead from) keep none."""
     prefetch = OPTION["prefetch"].checked(prefetch)
     if prefetch == "auto":
         pages = plan is not None and not plan.holds_all
-        return 1 if pages and guess and policy != "g-lru" else 0
+        return 1 if pages and guess and policy != "g-lru" and not waves_may_be_masked() else 0
     return prefetch
 
 
