@@ -366,6 +366,9 @@ EMPANEL_API int32_t empanel_rpc_lost(char * endpoints, size_t size);
 // bytes this process sent to and received from RPC servers so far, and the commands it waited
 // for an answer to (round trips: each costs the network's latency); 0 without RPC
 EMPANEL_API void    empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
+// those round trips by ggml-rpc's command (enum rpc_cmd of the pinned llama.cpp) into out[n];
+// returns the number of commands (RPC_CMD_COUNT), 0 without RPC
+EMPANEL_API int32_t empanel_rpc_round_trips_by_command(uint64_t * out, int32_t n);
 
 // XXH3-64 of n bytes (the digest of verified reads), 1 where XXH3 gives 0: a digest is never 0
 EMPANEL_API uint64_t empanel_hash64(const void * data, uint64_t n);

@@ -45,6 +45,7 @@ typedef uint64_t (*rpc_hash_fn)      (const void * data, size_t size);
 typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint64_t hash);
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
 typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
+typedef int      (*rpc_round_trips_by_cmd_fn)(uint64_t * out, int n);
 typedef void     (*rpc_hello_sizes_fn)(size_t * request, size_t * response);
 typedef int      (*rpc_endpoint_state_fn)(const char * endpoint); // 0 no connection, 1 open, 2 failed
 
@@ -57,6 +58,7 @@ struct rpc_fns {
     rpc_wire_bytes_fn     wire_bytes;
     rpc_hello_sizes_fn    hello_sizes;
     rpc_endpoint_state_fn endpoint_state;
+    rpc_round_trips_by_cmd_fn round_trips_by_cmd;
 };
 
 static struct rpc_fns  g_rpc;
@@ -74,8 +76,9 @@ static void rpc_find(void) {
     g_rpc.wire_bytes  = (rpc_wire_bytes_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_wire_bytes");
     g_rpc.hello_sizes = (rpc_hello_sizes_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_hello_sizes");
     g_rpc.endpoint_state = (rpc_endpoint_state_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_endpoint_state");
+    g_rpc.round_trips_by_cmd = (rpc_round_trips_by_cmd_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_round_trips_by_cmd");
     g_rpc.found = g_rpc.hash != NULL && g_rpc.set_by_hash != NULL && g_rpc.set_cached != NULL && g_rpc.wire_bytes != NULL &&
-                  g_rpc.hello_sizes != NULL && g_rpc.endpoint_state != NULL;
+                  g_rpc.hello_sizes != NULL && g_rpc.endpoint_state != NULL && g_rpc.round_trips_by_cmd != NULL;
 }
 
 static const struct rpc_fns * rpc(void) {
@@ -117,6 +120,10 @@ void empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received, uint64_t * rou
     if (rpc()->found) {
         rpc()->wire_bytes(sent, received, round_trips);
     }
+}
+
+int32_t empanel_rpc_round_trips_by_command(uint64_t * out, int32_t n) {
+    return rpc()->found ? rpc()->round_trips_by_cmd(out, n) : 0;
 }
 
 // ------------------------------------------------------------------------------------------------

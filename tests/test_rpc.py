@@ -120,17 +120,18 @@ CHILD = textwrap.dedent("""
     llm = Llama(path, moe_slots=slots, moe_io_threads=2, **kw)
     passes = []
     for _ in range(2):
-        w0 = rpc.wire_counts()
+        w0, c0 = rpc.wire_counts(), rpc.round_trips_by_command()
         s0 = llm.moe_stats()["total"]
         llm.reset()
         logits, tokens = greedy_logits(llm, text, 6)
         s1 = llm.moe_stats()["total"]
-        w1 = rpc.wire_counts()
+        w1, c1 = rpc.wire_counts(), rpc.round_trips_by_command()
         passes.append({"equal": bool(np.array_equal(logits, ref)) and tokens == ref_tokens,
                        "max_diff": float(np.abs(logits - ref).max()),
                        **{k: s1[k] - s0[k] for k in ("misses", "hits", "bytes_read", "copy_bytes", "remote_by_hash",
                                                        "n_waves", "n_remaps", "device_syncs")},
-                       "wire_sent": w1[0] - w0[0], "round_trips": w1[2] - w0[2]})
+                       "wire_sent": w1[0] - w0[0], "round_trips": w1[2] - w0[2],
+                       "by_command": {k: v - c0.get(k, 0) for k, v in c1.items() if v - c0.get(k, 0)}})
     n_tensors = {len(layer.tensors) for layer in llm._experts.index.layers}
     llm.close()
     json.dump({"passes": passes, "n_tensors": sorted(n_tensors)}, open(out, "w"))
@@ -164,6 +165,9 @@ def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, 
     # both passes send the same graphs and activations; the second one none of the experts
     assert first["wire_sent"] - second["wire_sent"] >= 0.95 * first["copy_bytes"], (first, second)
     assert second["round_trips"] >= second["remote_by_hash"], second  # each write by hash waits for its answer
+    for p in (first, second):  # by command they add up: the routed ids read back (get_tensor), writes by hash
+        assert sum(p["by_command"].values()) == p["round_trips"] and "get_tensor" in p["by_command"], p
+    assert second["by_command"].get("set_tensor_hash", 0) >= second["remote_by_hash"], second
     assert first["n_waves"] > first["n_remaps"], first  # the prompt ran in waves over the remote pools
     # every remap (and guess) of a layer on a host waits for it: counted as device syncs
     assert first["device_syncs"] >= first["n_remaps"] > 0, first
@@ -514,3 +518,55 @@ def test_rpc_build_keeps_cpu_host_pools_unmasked(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "masked: 0" in proc.stdout, proc.stdout
+
+
+def test_link_proxy_delivers_in_order_after_its_delay(tmp_path):
+    """scripts/rpc_link.c, the bench's link (bench_rpc.py --links): 4 MiB through a 10 ms round
+    trip at 1 Gbit/s arrive intact and in order, no sooner than the link allows; SIGTERM reports
+    its CPU time. (Lower bounds only: a busy machine may deliver later, never sooner.)"""
+    import shutil
+    import threading
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "rpc_link"
+    subprocess.run(["cc", "-O2", "-pthread", str(Path(__file__).parent.parent / "scripts" / "rpc_link.c"), "-o",
+                    str(exe)], check=True)
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    port = free_port()
+    proxy = subprocess.Popen([str(exe), str(port), str(server.getsockname()[1]), "5000", "1000", "120"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert proxy.stdout.readline().strip() == "listening"
+        payload = os.urandom(4 << 20)
+        got = bytearray()
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            t0 = time.perf_counter()
+            conn.sendall(b"x")
+            assert conn.recv(1) == b"x"
+            assert time.perf_counter() - t0 >= 0.010  # one round trip: 5 ms each way
+            def read_back():
+                while len(got) < len(payload):
+                    got.extend(conn.recv(1 << 20))
+
+            reader = threading.Thread(target=read_back)
+            t0 = time.perf_counter()
+            reader.start()
+            conn.sendall(payload)
+            reader.join(timeout=60)
+            # 4 MiB each way at 1 Gbit/s: at least 33.5 ms on the wire, plus the round trip
+            assert time.perf_counter() - t0 >= 0.010 + len(payload) * 8 / 1e9
+        assert bytes(got) == payload
+    finally:
+        proxy.terminate()
+        out = proxy.communicate(timeout=30)[0]
+        server.close()
+    assert re.search(r"cpu_s \d+\.\d+", out), out

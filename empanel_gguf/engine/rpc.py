@@ -99,6 +99,22 @@ def wire_counts():
     return int(out[0]), int(out[1]), int(out[2])
 
 
+# ggml-rpc's commands (enum rpc_cmd of the pinned llama.cpp, in order; RPC_CMD_HELLO is 14)
+RPC_COMMANDS = ("alloc_buffer", "get_alignment", "get_max_size", "buffer_get_base", "free_buffer", "buffer_clear",
+                "set_tensor", "set_tensor_hash", "get_tensor", "copy_tensor", "graph_compute", "get_device_memory",
+                "init_tensor", "get_alloc_size", "hello", "device_count", "graph_recompute", "memset_tensor", "none")
+
+
+def round_trips_by_command():
+    """{command: round trips so far} of the commands this process waited for an answer to; {}
+    without RPC. Commands the pinned names do not cover are cmd<N>."""
+    n = native()
+    out = n.ffi.new("uint64_t[64]")
+    count = int(n.sidecar.empanel_rpc_round_trips_by_command(out, 64))
+    names = RPC_COMMANDS if count == len(RPC_COMMANDS) else ()
+    return {names[i] if names else f"cmd{i}": int(out[i]) for i in range(min(count, 64)) if out[i]}
+
+
 def offload_devices():
     """Devices llama.cpp can offload layers to: GPUs, and registered RPC servers' devices."""
     return int(native().sidecar.empanel_offload_devices())
