@@ -154,11 +154,11 @@ struct batch_plan {
 };
 
 // the read of expert -> slot of tensor i into the plan: a job and its chunks (none if an RPC
-// host's cache or the host tier has its bytes)
+// host's cache wrote its bytes already, by_hash, or the host tier has them)
 static void plan_job(struct empanel_pool * pool, struct empanel_batch * batch, struct empanel_layer * layer, int32_t i,
-                     int32_t expert, int32_t slot, struct batch_plan * bp) {
+                     int32_t expert, int32_t slot, int by_hash, struct batch_plan * bp) {
     struct empanel_tensor * t = &layer->tensors[i];
-    if (empanel_remote_by_hash(layer, t, expert, slot)) {
+    if (by_hash) {
         t->held[slot] = expert; // in place, nothing to read
         return;
     }
@@ -221,6 +221,40 @@ int empanel_batch_can_post(const struct empanel_pool * pool, int32_t lane, const
            (!other->inflight || (other->beside && other->layer != layer && empanel_batch_beside(pool, layer)));
 }
 
+// RPC pools: which of the n experts of tensors [t0, t1) the hosts' caches wrote into their slots,
+// asked all at once (one round trip per host, not one per expert tensor): [(i - t0) * n + m], or
+// NULL where no tensor's pool is on a host (or out of memory: then every expert is read and sent)
+static uint8_t * remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_t t1, const int32_t * experts,
+                                const int32_t * slots, int32_t n) {
+    int remote = 0;
+    for (int32_t i = t0; i < t1; i++) {
+        remote |= layer->tensors[i].remote != NULL;
+    }
+    const size_t count = (size_t) (t1 - t0) * (size_t) n;
+    uint8_t * written = remote ? malloc(count) : NULL;
+    int32_t * tensor  = remote ? malloc(count * sizeof(int32_t)) : NULL;
+    int32_t * expert  = remote ? malloc(count * sizeof(int32_t)) : NULL;
+    int32_t * slot    = remote ? malloc(count * sizeof(int32_t)) : NULL;
+    if (written != NULL && tensor != NULL && expert != NULL && slot != NULL) {
+        for (int32_t i = t0; i < t1; i++) {
+            for (int32_t m = 0; m < n; m++) {
+                const size_t j = (size_t) (i - t0) * (size_t) n + (size_t) m;
+                tensor[j] = i;
+                expert[j] = experts[m];
+                slot[j]   = slots[m];
+            }
+        }
+        empanel_remote_by_hash(layer, tensor, expert, slot, (int32_t) count, written);
+    } else {
+        free(written);
+        written = NULL;
+    }
+    free(tensor);
+    free(expert);
+    free(slot);
+    return written;
+}
+
 // plan and post the reads of experts[i] -> slots[i] for tensors [t0, t1) of a layer, tensor by
 // tensor (order: their indices in the order to read them, each waited for on its own with
 // empanel_batch_wait_tensor; NULL: in index order) in the demand lane, or (by_expert) expert after
@@ -258,13 +292,15 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
         .stamp   = ++pool->lanes.n_batches,
     };
     const int32_t n_t = t1 - t0;
+    uint8_t * by_hash = remote_by_hash(layer, t0, t1, experts, slots, n); // [n_t * n] or NULL
     for (int32_t q = 0; q < n_t * n; q++) { // tensor after tensor, or (by_expert) expert after expert
         const int32_t k = by_expert ? q % n_t : q / n;
         const int32_t m = by_expert ? q / n_t : q % n;
         const int32_t i = order != NULL ? order[k] : t0 + k;
         bp.chunk_end[i] = bp.n_chunks; // (tensor after tensor: up to its last chunk)
-        plan_job(pool, batch, layer, i, experts[m], slots[m], &bp);
+        plan_job(pool, batch, layer, i, experts[m], slots[m], by_hash != NULL && by_hash[(i - t0) * n + m], &bp);
     }
+    free(by_hash);
     batch->inflight     = 1;
     batch->beside       = empanel_batch_beside(pool, layer);
     batch->dropped      = 0;

@@ -58,18 +58,37 @@ int empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * 
     return -1;
 }
 
-// a miss on an RPC host's pool whose bytes the host may hold (sent before, or hashed at an
-// earlier read): 1 if the host wrote them into the slot from its cache, so nothing is read
-int empanel_remote_by_hash(struct empanel_layer * layer, struct empanel_tensor * t, int32_t expert, int32_t slot) {
-    if (t->remote == NULL || !t->remote->cache || t->remote->hash[expert] == 0) { // (never known with moe_verify)
-        return 0;
+// misses on an RPC host's pools whose bytes the host may hold (sent before, or hashed at an
+// earlier read): their writes by hash go back to back, one round trip for the batch
+void empanel_remote_by_hash(struct empanel_layer * layer, const int32_t * tensors, const int32_t * experts,
+                            const int32_t * slots, int32_t n, uint8_t * written) {
+    void *   pools[64];
+    int32_t  at[64], slot[64];
+    uint64_t hash[64];
+    uint8_t  ok[64];
+    for (int32_t j0 = 0; j0 < n; j0 += 64) { // (64 at a time: no allocation)
+        const int32_t m = n - j0 < 64 ? n - j0 : 64;
+        int32_t k = 0;
+        for (int32_t j = j0; j < j0 + m; j++) {
+            const struct empanel_tensor * t = &layer->tensors[tensors[j]];
+            written[j] = 0;
+            if (t->remote == NULL || !t->remote->cache || t->remote->hash[experts[j]] == 0) { // (never known with moe_verify)
+                continue;
+            }
+            pools[k] = t->pool;
+            slot[k]  = slots[j];
+            hash[k]  = t->remote->hash[experts[j]];
+            at[k++]  = j;
+        }
+        empanel_rpc_write_by_hash_many(pools, slot, hash, k, ok);
+        for (int32_t q = 0; q < k; q++) {
+            const int32_t j = at[q];
+            struct empanel_tensor * t = &layer->tensors[tensors[j]];
+            written[j] = ok[q];
+            layer->stats.remote_by_hash += ok[q];
+            if (!ok[q] && t->remote->sent[experts[j]]) {
+                t->remote->cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
+            }
+        }
     }
-    if (empanel_rpc_write_by_hash(t->pool, slot, t->remote->hash[expert])) {
-        layer->stats.remote_by_hash += 1;
-        return 1;
-    }
-    if (t->remote->sent[expert]) {
-        t->remote->cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
-    }
-    return 0;
 }

@@ -160,14 +160,16 @@ def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, 
     assert first["copy_bytes"] > 0  # the first time, the experts' bytes go over the wire
     assert second["misses"] > 0, second  # 25 %: the pools evicted the first pass's experts
     assert second["bytes_read"] == 0 and second["copy_bytes"] == 0, second
-    n_tensors, = result["n_tensors"]
-    assert second["remote_by_hash"] == second["misses"] * n_tensors, second
+    assert second["remote_by_hash"] == second["misses"] * result["n_tensors"][0], second
     # both passes send the same graphs and activations; the second one none of the experts
     assert first["wire_sent"] - second["wire_sent"] >= 0.95 * first["copy_bytes"], (first, second)
-    assert second["round_trips"] >= second["remote_by_hash"], second  # each write by hash waits for its answer
+    # a batch's writes by hash go back to back: one round trip per batch and host, not one per
+    # expert tensor (stock servers answer them in order as they read them)
+    n_tensors, = result["n_tensors"]
+    by_hash_trips = second["by_command"]["set_tensor_hash"]
+    assert 0 < by_hash_trips <= second["n_waves"] * n_tensors and by_hash_trips < second["remote_by_hash"], second
     for p in (first, second):  # by command they add up: the routed ids read back (get_tensor), writes by hash
         assert sum(p["by_command"].values()) == p["round_trips"] and "get_tensor" in p["by_command"], p
-    assert second["by_command"].get("set_tensor_hash", 0) >= second["remote_by_hash"], second
     assert first["n_waves"] > first["n_remaps"], first  # the prompt ran in waves over the remote pools
     # every remap (and guess) of a layer on a host waits for it: counted as device syncs
     assert first["device_syncs"] >= first["n_remaps"] > 0, first
