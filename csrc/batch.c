@@ -230,28 +230,10 @@ static uint8_t * remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_
     for (int32_t i = t0; i < t1; i++) {
         remote |= layer->tensors[i].remote != NULL;
     }
-    const size_t count = (size_t) (t1 - t0) * (size_t) n;
-    uint8_t * written = remote ? malloc(count) : NULL;
-    int32_t * tensor  = remote ? malloc(count * sizeof(int32_t)) : NULL;
-    int32_t * expert  = remote ? malloc(count * sizeof(int32_t)) : NULL;
-    int32_t * slot    = remote ? malloc(count * sizeof(int32_t)) : NULL;
-    if (written != NULL && tensor != NULL && expert != NULL && slot != NULL) {
-        for (int32_t i = t0; i < t1; i++) {
-            for (int32_t m = 0; m < n; m++) {
-                const size_t j = (size_t) (i - t0) * (size_t) n + (size_t) m;
-                tensor[j] = i;
-                expert[j] = experts[m];
-                slot[j]   = slots[m];
-            }
-        }
-        empanel_remote_by_hash(layer, tensor, expert, slot, (int32_t) count, written);
-    } else {
-        free(written);
-        written = NULL;
+    uint8_t * written = remote ? malloc((size_t) (t1 - t0) * (size_t) n) : NULL;
+    if (written != NULL) {
+        empanel_remote_by_hash(layer, t0, t1, experts, slots, n, written);
     }
-    free(tensor);
-    free(expert);
-    free(slot);
     return written;
 }
 

@@ -58,37 +58,56 @@ int empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * 
     return -1;
 }
 
+// writes by hash asked of the hosts at once (empanel_remote_by_hash), at most BY_HASH_MAX
+#define BY_HASH_MAX 128
+struct by_hash {
+    int32_t  n;
+    void *   pools[BY_HASH_MAX];
+    int32_t  slots[BY_HASH_MAX];
+    uint64_t hashes[BY_HASH_MAX];
+    int32_t  tensor[BY_HASH_MAX]; // layer->tensors index
+    int32_t  expert[BY_HASH_MAX];
+    size_t   at[BY_HASH_MAX];     // index into written
+};
+
+static void by_hash_send(struct empanel_layer * layer, struct by_hash * q, uint8_t * written) {
+    uint8_t ok[BY_HASH_MAX];
+    empanel_rpc_write_by_hash_many(q->pools, q->slots, q->hashes, q->n, ok);
+    for (int32_t k = 0; k < q->n; k++) {
+        struct empanel_tensor * t = &layer->tensors[q->tensor[k]];
+        written[q->at[k]] = ok[k];
+        layer->stats.remote_by_hash += ok[k];
+        if (!ok[k] && t->remote->sent[q->expert[k]]) {
+            t->remote->cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
+        }
+    }
+    q->n = 0;
+}
+
 // misses on an RPC host's pools whose bytes the host may hold (sent before, or hashed at an
-// earlier read): their writes by hash go back to back, one round trip for the batch
-void empanel_remote_by_hash(struct empanel_layer * layer, const int32_t * tensors, const int32_t * experts,
+// earlier read): their writes by hash go back to back, one round trip per BY_HASH_MAX of them
+void empanel_remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_t t1, const int32_t * experts,
                             const int32_t * slots, int32_t n, uint8_t * written) {
-    void *   pools[64];
-    int32_t  at[64], slot[64];
-    uint64_t hash[64];
-    uint8_t  ok[64];
-    for (int32_t j0 = 0; j0 < n; j0 += 64) { // (64 at a time: no allocation)
-        const int32_t m = n - j0 < 64 ? n - j0 : 64;
-        int32_t k = 0;
-        for (int32_t j = j0; j < j0 + m; j++) {
-            const struct empanel_tensor * t = &layer->tensors[tensors[j]];
+    struct by_hash q;
+    q.n = 0;
+    for (int32_t i = t0; i < t1; i++) {
+        const struct empanel_tensor * t = &layer->tensors[i];
+        for (int32_t m = 0; m < n; m++) {
+            const size_t j = (size_t) (i - t0) * (size_t) n + (size_t) m;
             written[j] = 0;
-            if (t->remote == NULL || !t->remote->cache || t->remote->hash[experts[j]] == 0) { // (never known with moe_verify)
+            if (t->remote == NULL || !t->remote->cache || t->remote->hash[experts[m]] == 0) { // (never known with moe_verify)
                 continue;
             }
-            pools[k] = t->pool;
-            slot[k]  = slots[j];
-            hash[k]  = t->remote->hash[experts[j]];
-            at[k++]  = j;
-        }
-        empanel_rpc_write_by_hash_many(pools, slot, hash, k, ok);
-        for (int32_t q = 0; q < k; q++) {
-            const int32_t j = at[q];
-            struct empanel_tensor * t = &layer->tensors[tensors[j]];
-            written[j] = ok[q];
-            layer->stats.remote_by_hash += ok[q];
-            if (!ok[q] && t->remote->sent[experts[j]]) {
-                t->remote->cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
+            q.pools[q.n]  = t->pool;
+            q.slots[q.n]  = slots[m];
+            q.hashes[q.n] = t->remote->hash[experts[m]];
+            q.tensor[q.n] = i;
+            q.expert[q.n] = experts[m];
+            q.at[q.n++]   = j;
+            if (q.n == BY_HASH_MAX) {
+                by_hash_send(layer, &q, written);
             }
         }
     }
+    by_hash_send(layer, &q, written);
 }

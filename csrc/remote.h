@@ -24,8 +24,8 @@ void empanel_remote_free(struct empanel_remote * remote);
 // staging -> the slot of a landed job on an RPC host: by hash, else the bytes; 0, or -1 with the
 // error recorded
 int  empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job);
-// the misses of a batch the host may hold, (tensors[j] of the layer, experts[j], slots[j]), in one
-// round trip per host: written[j] 1 if it wrote expert's bytes into the slot from its cache
-// (nothing to read), else 0
-void empanel_remote_by_hash(struct empanel_layer * layer, const int32_t * tensors, const int32_t * experts,
+// the misses of a batch, experts[m] -> slots[m] of tensors [t0, t1) of the layer, that the hosts
+// may hold, asked in one round trip per host: written[(i - t0) * n + m] 1 if the host wrote the
+// expert's bytes into the slot from its cache (nothing to read), else 0
+void empanel_remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_t t1, const int32_t * experts,
                             const int32_t * slots, int32_t n, uint8_t * written);

@@ -43,7 +43,7 @@ static int timeout_ms(void) {
 // patch 0008's functions in ggml-rpc, found by name (ggml may load its backends dynamically)
 typedef uint64_t (*rpc_hash_fn)      (const void * data, size_t size);
 typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint64_t hash);
-typedef int      (*rpc_set_many_by_hash_fn)(struct ggml_tensor ** t, const int64_t * i2, const uint64_t * hash, int n,
+typedef int      (*rpc_set_many_by_hash_fn)(struct ggml_tensor ** t, const int32_t * slots, const uint64_t * hash, int n,
                                             uint8_t * ok);
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
 typedef void     (*rpc_wire_bytes_fn)(uint64_t * sent, uint64_t * received, uint64_t * round_trips);
@@ -114,16 +114,7 @@ int empanel_rpc_write_by_hash(void * pool_tensor, int32_t slot, uint64_t hash) {
 
 int32_t empanel_rpc_write_by_hash_many(void ** pool_tensors, const int32_t * slots, const uint64_t * hashes, int32_t n,
                                        uint8_t * ok) {
-    int64_t i2[64];
-    int32_t n_ok = 0;
-    for (int32_t j0 = 0; j0 < n; j0 += 64) { // (64 at a time: no allocation)
-        const int32_t m = n - j0 < 64 ? n - j0 : 64;
-        for (int32_t j = 0; j < m; j++) {
-            i2[j] = slots[j0 + j];
-        }
-        n_ok += rpc()->set_many_by_hash((struct ggml_tensor **) pool_tensors + j0, i2, hashes + j0, m, ok + j0);
-    }
-    return n_ok;
+    return n > 0 ? rpc()->set_many_by_hash((struct ggml_tensor **) pool_tensors, slots, hashes, n, ok) : 0;
 }
 
 int empanel_rpc_write_cached(void * pool_tensor, int32_t slot, const void * data, uint64_t size) {

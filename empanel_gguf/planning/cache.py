@@ -11,9 +11,21 @@ import os
 from pathlib import Path
 
 
+_IDENTITIES = {}  # (path, inode, size, mtime, ctime, data offset) -> file_identity: a load asks several caches
+
+
 def file_identity(index):
-    """{name, size, header_sha256} of the model's first shard."""
+    """{name, size, header_sha256} of the model's first shard, hashed once per version of the
+    file in this process (the profile, the layout and the digests of one load all ask)."""
     shard = index.shards[0]
+    st = os.stat(shard.path)
+    key = (os.path.realpath(shard.path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, shard.data_offset)
+    if key not in _IDENTITIES:
+        _IDENTITIES[key] = _hash_identity(shard)
+    return dict(_IDENTITIES[key])
+
+
+def _hash_identity(shard):
     digest = hashlib.sha256()
     with open(shard.path, "rb") as f:
         left = shard.data_offset

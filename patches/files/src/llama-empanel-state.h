@@ -43,7 +43,7 @@ struct llama_empanel_layer;
 // an op that one thread runs (ith 0: a remap, a wait for reads) while ggml's other threads wait
 // for it here, briefly spinning and then asleep, rather than spinning in ggml's barrier after
 // the node, where a read-bound op would burn the cores the reads need
-// (llama-empanel-graph.cpp, llama_empanel_once_wait). Each op runs once per graph computation
+// (llama-empanel-graph.cpp, llama_empanel_once_first). Each op runs once per graph computation
 #define LLAMA_EMPANEL_ONCE_THREADS 64 // threads ith < this wait asleep; the others spin as before
 struct llama_empanel_once {
     std::atomic<uint32_t> done{0};     // runs thread 0 has finished
