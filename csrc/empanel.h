@@ -363,6 +363,12 @@ EMPANEL_API int32_t empanel_rpc_check_servers(char * err, size_t err_size);
 // the registered RPC servers whose connection failed (lost, or a wait timed out:
 // EMPANEL_RPC_WAIT_TIMEOUT), comma-separated into endpoints [size]; their number
 EMPANEL_API int32_t empanel_rpc_lost(char * endpoints, size_t size);
+// 1 when every endpoint of "HOST:PORT,..." (hosts whose connection was lost) answers a handshake
+// again: the caller then loads the model anew, since a restarted server holds nothing of the old
+// connection. Probes one round a second at most (0 in between), each step waiting 1 s at most.
+EMPANEL_API int32_t  empanel_rpc_hosts_back(const char * endpoints);
+// how many times empanel_rpc_hosts_back said 1 in this process (a reload each)
+EMPANEL_API uint64_t empanel_rpc_hosts_back_count(void);
 // bytes this process sent to and received from RPC servers so far, and the commands it waited
 // for an answer to (round trips: each costs the network's latency); 0 without RPC
 EMPANEL_API void    empanel_rpc_wire_bytes(uint64_t * sent, uint64_t * received, uint64_t * round_trips);

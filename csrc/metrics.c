@@ -204,5 +204,8 @@ size_t empanel_metrics_programs(struct empanel_pool * const * pools, const char 
         add_label(&t, models[p]);
         empanel_metrics_add(&t, "\"} %.10g\n", hits + misses > 0 ? (double) hits / (double) (hits + misses) : 0.0);
     }
+    empanel_metrics_add(&t, "# HELP empanel_rpc_reloads_total Loads anew after a lost RPC host answered again.\n"
+                            "# TYPE empanel_rpc_reloads_total counter\n"
+                            "empanel_rpc_reloads_total %" PRIu64 "\n", empanel_rpc_hosts_back_count());
     return t.len;
 }

@@ -26,6 +26,7 @@
 #include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,8 +170,8 @@ static int transfer(int fd, uint8_t * buf, size_t n, short dir, int wait_ms) {
     return 0;
 }
 
-// connect within timeout_ms(); the socket, or -1 with *why set
-static int connect_to(const struct addrinfo * a, int * why) {
+// connect within wait_ms; the socket, or -1 with *why set
+static int connect_to(const struct addrinfo * a, int wait_ms, int * why) {
     const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) {
         *why = errno;
@@ -183,7 +184,7 @@ static int connect_to(const struct addrinfo * a, int * why) {
         struct pollfd p = { .fd = fd, .events = POLLOUT };
         int soerr = 0;
         socklen_t len = sizeof(soerr);
-        const int n = poll(&p, 1, timeout_ms());
+        const int n = poll(&p, 1, wait_ms);
         if (n == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 && soerr == 0) {
             return fd;
         }
@@ -197,8 +198,8 @@ static int connect_to(const struct addrinfo * a, int * why) {
 
 // ggml-rpc aborts the process when it cannot connect or the handshake fails, and waits forever
 // for a server that is serving another client (one at a time): connect and shake hands here
-// first, with timeouts, and say what is wrong instead
-static int probe(const char * host, const char * port, char * err, size_t err_size) {
+// first, waiting at most wait_ms for each step, and say what is wrong instead
+static int probe(const char * host, const char * port, int wait_ms, char * err, size_t err_size) {
     struct addrinfo hints;
     memset(&hints, 0, sizeof(hints));
     hints.ai_family   = AF_UNSPEC;
@@ -212,7 +213,7 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
     int why = ECONNREFUSED;
     int fd  = -1;
     for (struct addrinfo * a = addrs; a != NULL && fd < 0; a = a->ai_next) {
-        fd = connect_to(a, &why);
+        fd = connect_to(a, wait_ms, &why);
     }
     freeaddrinfo(addrs);
     if (fd < 0) {
@@ -229,10 +230,10 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
     memcpy(request + 1, &n_req, sizeof(n_req));
     int status = req_size <= 256 && rsp_size <= 256 && rsp_size >= 1 ? 0 : EPROTO;
     if (status == 0) {
-        status = transfer(fd, request, 1 + 8 + req_size, POLLOUT, timeout_ms());
+        status = transfer(fd, request, 1 + 8 + req_size, POLLOUT, wait_ms);
     }
     if (status == 0) {
-        status = transfer(fd, response, 8 + rsp_size, POLLIN, timeout_ms());
+        status = transfer(fd, response, 8 + rsp_size, POLLIN, wait_ms);
     }
     close(fd);
     uint64_t got = 0;
@@ -240,7 +241,7 @@ static int probe(const char * host, const char * port, char * err, size_t err_si
     if (status == ETIMEDOUT) {
         empanel_util_format_err(err, err_size, "RPC server %s:%s: no answer to the handshake in %.1f s: it serves one "
                                 "client at a time (another client, or the same server listed twice?); "
-                                "EMPANEL_RPC_TIMEOUT=SECONDS waits longer", host, port, timeout_ms() / 1000.0);
+                                "EMPANEL_RPC_TIMEOUT=SECONDS waits longer", host, port, wait_ms / 1000.0);
         return -1;
     }
     if (status != 0 || got != rsp_size) {
@@ -263,7 +264,7 @@ static char **         g_added      = NULL; // endpoints registered so far (ggml
 static int32_t         g_added_n    = 0;
 
 // probe an endpoint "HOST:PORT" (a copy is cut at its last colon)
-static int probe_endpoint(const char * endpoint, char * err, size_t err_size) {
+static int probe_endpoint(const char * endpoint, int wait_ms, char * err, size_t err_size) {
     char copy[512];
     snprintf(copy, sizeof(copy), "%s", endpoint);
     char * colon = strrchr(copy, ':');
@@ -272,7 +273,7 @@ static int probe_endpoint(const char * endpoint, char * err, size_t err_size) {
         return -1;
     }
     *colon = '\0';
-    return probe(copy, colon + 1, err, err_size);
+    return probe(copy, colon + 1, wait_ms, err, err_size);
 }
 
 // llama.cpp offers the devices of every registered server to every load of the process, and
@@ -283,10 +284,11 @@ static int check_registered(char * err, size_t err_size) {
         const int state = rpc()->endpoint_state(g_added[i]);
         if (state == 2) {
             empanel_util_format_err(err, err_size, "RPC server %s: its connection was lost during an earlier run, and "
-                                    "what used it (a Llama) is still open: close it, then load again", g_added[i]);
+                                    "what used it (a Llama) is still open: it loads anew by itself once the host answers, "
+                                    "or close it and load again", g_added[i]);
             return -1;
         }
-        if (state == 0 && probe_endpoint(g_added[i], err, err_size) != 0) {
+        if (state == 0 && probe_endpoint(g_added[i], timeout_ms(), err, err_size) != 0) {
             const size_t n = err != NULL ? strlen(err) : 0;
             if (err != NULL && n + 1 < err_size) {
                 snprintf(err + n, err_size - n, " (registered by an earlier load of this process: llama.cpp offers "
@@ -334,6 +336,48 @@ int32_t empanel_rpc_lost(char * endpoints, size_t size) {
     return n;
 }
 
+// A lost host taken back: a restarted ggml-rpc-server holds nothing of the old connection, so the
+// caller (llama-server's hook, patch 0014; Llama in Python) loads the model anew once every host
+// it lost answers a handshake again. Asked before each request while a host is lost, so: one
+// probe round a second at most, each step bounded by RPC_BACK_WAIT_MS.
+#define RPC_BACK_WAIT_MS     1000
+#define RPC_BACK_INTERVAL_NS 1000000000ull
+
+static pthread_mutex_t  g_back_lock    = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t         g_back_last_ns = 0; // the last probe round
+static atomic_uint_fast64_t g_back_n = 0; // rounds that found every host back (a reload each)
+
+int32_t empanel_rpc_hosts_back(const char * endpoints) {
+    if (endpoints == NULL || *endpoints == '\0' || rpc()->reg == NULL || !rpc()->found) {
+        return 0;
+    }
+    pthread_mutex_lock(&g_back_lock);
+    const uint64_t now = empanel_util_now_ns();
+    const int due = g_back_last_ns == 0 || now - g_back_last_ns >= RPC_BACK_INTERVAL_NS;
+    if (due) {
+        g_back_last_ns = now;
+    }
+    pthread_mutex_unlock(&g_back_lock);
+    if (!due) {
+        return 0;
+    }
+    char list[4096];
+    snprintf(list, sizeof(list), "%s", endpoints);
+    char * save = NULL;
+    for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL; endpoint = strtok_r(NULL, ",", &save)) {
+        char err[512];
+        if (probe_endpoint(endpoint, RPC_BACK_WAIT_MS, err, sizeof(err)) != 0) {
+            return 0;
+        }
+    }
+    atomic_fetch_add(&g_back_n, 1);
+    return 1;
+}
+
+uint64_t empanel_rpc_hosts_back_count(void) {
+    return (uint64_t) atomic_load(&g_back_n);
+}
+
 // the endpoints of list "HOST:PORT,..." (cut in place) not registered yet, each probed, into
 // todo [n_todo] (once each); *n_endpoints: endpoints given. 0, or -1 with the reason in err.
 // Under g_added_lock
@@ -363,7 +407,7 @@ static int probe_list(char * list, char ** todo, int * n_todo, int * n_endpoints
             continue;
         }
         *colon = '\0';
-        status = probe(endpoint, colon + 1, err, err_size);
+        status = probe(endpoint, colon + 1, timeout_ms(), err, err_size);
         *colon = ':';
         todo[(*n_todo)++] = endpoint;
     }

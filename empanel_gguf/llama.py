@@ -23,7 +23,7 @@ from .planning.options import OPTIONS, check_known, llama_args_doc, moe_options
 from .planning.plan import plan_load, print_notices, resolve_repack, stock_equivalent, stock_kwargs
 from .planning.sizing import parse_size
 from .engine.pools import ExpertPools, MoeReadError
-from .engine.rpc import lost_error, lost_servers, offload_devices, unified_devices
+from .engine.rpc import RpcError, hosts_back, lost_error, lost_servers, offload_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
 from .engine.rpc import wire_counts as rpc_wire_counts
 from .engine.stats import summary_line
@@ -62,6 +62,9 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path, *args, rpc_servers=None, moe_load=None, **kwargs):
         self._experts = None
+        self._lost = None  # the RPC endpoints a decode lost (the next call loads anew once they answer)
+        self._load_call = (model_path, args, rpc_servers, dict(kwargs))  # for that load
+        self.rpc_reloads = 0  # loads anew after a lost RPC host (_take_back_hosts)
         moe = {key: kwargs.pop(key) for key in [key for key in kwargs if key.startswith("moe_")]}
         check_known(moe)  # llama_cpp.Llama would swallow a misspelt option and load stock
         moe_slots = moe.pop("moe_slots", None)
@@ -127,12 +130,40 @@ class Llama(llama_cpp.Llama):
 
     def eval(self, tokens):
         """llama_cpp.Llama.eval; with prompt_progress set, a prompt of several tokens that takes
-        long shows its progress."""
+        long shows its progress. After a lost RPC host, the model is loaded anew on it first."""
+        self._take_back_hosts()
         progress = self.prompt_progress
-        if progress is None or len(tokens) <= 1:
-            return super().eval(tokens)
-        with progress.track(self, len(tokens)):
-            return super().eval(tokens)
+        try:
+            if progress is None or len(tokens) <= 1:
+                return super().eval(tokens)
+            with progress.track(self, len(tokens)):
+                return super().eval(tokens)
+        except RpcError:
+            self.n_tokens = 0  # the host's KV cache is gone: the next prompt is evaluated whole
+            raise
+
+    def embed(self, *args, **kwargs):
+        self._take_back_hosts()
+        return super().embed(*args, **kwargs)
+
+    def _take_back_hosts(self):
+        """After a decode lost RPC hosts: once they all answer again, load the model on them anew
+        (the same plan, an empty KV cache, no state cache: its states may have been read from the
+        lost host); until then, the same RpcError."""
+        lost = self._lost
+        if lost is None:
+            return
+        if not hosts_back(lost):
+            raise lost_error(lost)
+        model_path, args, rpc_servers, kwargs = self._load_call
+        reloads, moe_load = self.rpc_reloads + 1, self.moe_load
+        self.close()
+        try:
+            Llama.__init__(self, model_path, *args, rpc_servers=rpc_servers, moe_load=moe_load, **kwargs)
+        except BaseException:
+            self._lost = lost  # try again at the next call
+            raise
+        self.rpc_reloads = reloads
 
     def moe_take_trace(self):
         """Routing recorded since the last call (moe_trace=True): int32 [layer, n_tokens, n_used,
@@ -155,6 +186,7 @@ class Llama(llama_cpp.Llama):
             failed decode asks which hosts are lost."""
             lost = lost_servers() if hosts and decode_failed else []
             if lost:  # first: a lost host fails the expert writes too
+                self._lost = lost
                 return lost_error(lost)
             if experts is not None and experts.failed():
                 message = experts.error()
@@ -194,7 +226,8 @@ class Llama(llama_cpp.Llama):
         "read_io": the read path taken ("threads" or "uring"), "budget": the live budget and its
         controller (moe_set_budget, moe_elastic); None without slot pools. With
         rpc_servers the total also has wire_sent, wire_received (bytes this process exchanged with
-        the RPC servers so far) and round_trips (commands it waited for an answer to)."""
+        the RPC servers so far), round_trips (commands it waited for an answer to) and rpc_reloads
+        (loads anew on a lost host that answered again)."""
         if self._experts is None:
             return None
         stats = self._experts.stats()
@@ -210,6 +243,7 @@ class Llama(llama_cpp.Llama):
         if self.rpc_servers:
             total = stats["total"]
             total["wire_sent"], total["wire_received"], total["round_trips"] = rpc_wire_counts()
+            total["rpc_reloads"] = self.rpc_reloads
         return stats
 
     def moe_set_budget(self, budget):

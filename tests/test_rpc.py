@@ -61,23 +61,29 @@ class RpcServers:
 
     def __init__(self, tmp, caches):
         Path(tmp).mkdir(parents=True, exist_ok=True)
+        self.caches = caches
         self.procs, self.endpoints, self.cache_dirs, self.logs = [], [], [], []
-        for i, cache in enumerate(caches):
-            port = free_port()
-            cache_dir = Path(tmp) / f"cache{i}"
-            log = Path(tmp) / f"rpc{i}.log"
-            cmd = [sys.executable, "-m", "empanel_gguf", "rpc-server", "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
-            if cache:
-                cmd.append("-c")
-            with open(log, "w") as out:
-                proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(LLAMA_CACHE=str(cache_dir)), stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-            self.procs.append(proc)
-            self.endpoints.append(f"127.0.0.1:{port}")
-            self.cache_dirs.append(cache_dir)
-            self.logs.append(log)
+        for i in range(len(caches)):
+            self.endpoints.append(f"127.0.0.1:{free_port()}")
+            self.cache_dirs.append(Path(tmp) / f"cache{i}")
+            self.logs.append(Path(tmp) / f"rpc{i}.log")
+            self.procs.append(self._start(i))
         for proc, endpoint, log in zip(self.procs, self.endpoints, self.logs):
             _wait_listening(proc, int(endpoint.rsplit(":", 1)[1]), log)
+
+    def _start(self, i):
+        port = self.endpoints[i].rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "empanel_gguf", "rpc-server", "-H", "127.0.0.1", "-p", port, "-t", "1"]
+        if self.caches[i]:
+            cmd.append("-c")
+        with open(self.logs[i], "a") as out:
+            return subprocess.Popen(cmd, cwd=REPO, env=child_env(LLAMA_CACHE=str(self.cache_dirs[i])), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart(self, i):
+        """Server i again, on its port and with its cache folder (after it was killed)."""
+        self.procs[i] = self._start(i)
+        _wait_listening(self.procs[i], int(self.endpoints[i].rsplit(":", 1)[1]), self.logs[i])
 
     @property
     def servers(self):
@@ -365,34 +371,40 @@ LOST_CHILD = textwrap.dedent("""
         result["caught"] = str(e)
     result["seconds"] = time.monotonic() - t0
     result["tokens"] = n
-    llm.close()
-    result["closed"] = True
-    if how == "stop":
-        os.killpg(int(victim_group), signal.SIGKILL)
-        os.killpg(int(victim_group), signal.SIGCONT)
 
-    try:  # the host is still down: the next load says so, it does not abort
+    try:  # the host is still down: the same Llama says so again, it does not abort
+        greedy_logits(llm, text, 4)
+        result["again"] = None
+    except rpc.RpcError as e:
+        result["again"] = str(e)
+    try:  # and so does a new load, while this one is open
         Llama(path, moe_slots="25%", **kw)
         result["down"] = None
     except rpc.RpcError as e:
         result["down"] = str(e)
 
-    env = dict(os.environ, LLAMA_CACHE=cache_dir)
-    server = subprocess.Popen([sys.executable, "-m", "empanel_gguf", "rpc-server", "-H", "127.0.0.1", "-p", port,
-                               "-t", "1", "-c"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    result["restarted"] = server.pid
+    if how == "stop":  # the host runs again: it drops the old connection, which the client closed
+        os.killpg(int(victim_group), signal.SIGCONT)
+    else:  # a new server on the same port and cache
+        env = dict(os.environ, LLAMA_CACHE=cache_dir)
+        server = subprocess.Popen([sys.executable, "-m", "empanel_gguf", "rpc-server", "-H", "127.0.0.1", "-p", port,
+                                   "-t", "1", "-c"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        result["restarted"] = server.pid
     json.dump(result, open(out, "w"))  # the parent stops it even if what follows fails
-    for _ in range(300):
+    deadline = time.monotonic() + 60
+    while True:  # the same Llama loads anew once the host answers: exact again
         try:
-            rpc.check_servers()
+            logits, tokens = greedy_logits(llm, text, 4)
             break
         except rpc.RpcError:
-            time.sleep(0.1)
-    llm = Llama(path, moe_slots="25%", **kw)  # the host serves again: exact again
-    logits, tokens = greedy_logits(llm, text, 4)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     result["equal"] = bool(np.array_equal(logits, ref)) and tokens == ref_tokens
+    result["reloads"] = llm.moe_stats()["total"]["rpc_reloads"]
     llm.close()
+    result["closed"] = True
     json.dump(result, open(out, "w"))
 """)
 
@@ -400,9 +412,9 @@ LOST_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_host_lost_during_a_decode_is_an_error_not_an_abort(tmp_path, how):
     """A host killed (or stopped: its waits time out, EMPANEL_RPC_WAIT_TIMEOUT) while the client
-    decodes: the decode raises RpcError and returns nothing, close() works, a load while the host
-    is down is an RpcError naming it, and once it serves again a new Llama in the same process
-    gives the reference logits."""
+    decodes: the decode raises RpcError and returns nothing; while the host is down the same Llama
+    raises it again and a new load is an RpcError naming it; once the host serves again (restarted,
+    or running again) the same Llama loads anew on it by itself and gives the reference logits."""
     servers = RpcServers(tmp_path / "srv", caches=(True, True))
     out = tmp_path / "lost.json"
     result = {}
@@ -423,28 +435,50 @@ def test_host_lost_during_a_decode_is_an_error_not_an_abort(tmp_path, how):
     assert proc.returncode == 0, proc.stderr[-3000:]  # no signal, no abort
     assert result["caught"] and f"RPC server {servers.endpoints[1]}" in result["caught"], result
     assert result["tokens"] < 199 and result["seconds"] < 60, result  # failed early, never hung
+    assert result["again"] and f"RPC server {servers.endpoints[1]}" in result["again"], result
+    assert result["down"] and servers.endpoints[1] in result["down"] and "earlier run" in result["down"], result
+    assert result["equal"] and result["reloads"] == 1, result
     assert result["closed"]
-    assert result["down"] and servers.endpoints[1] in result["down"] and "earlier load" in result["down"], result
-    assert result["equal"], result
 
 
-def test_llama_server_under_load_survives_a_lost_host(tmp_path):
-    """`empanel-gguf llama-server --rpc` at 25 % slots under the load of
-    test_programs.py::test_llama_server_under_load, one host killed after 40 answers: every request
-    is answered (200 before the loss; after it llama-server's own 500 "Compute error.", or an
-    error event in a stream already under way), the server process lives on and serves /health,
-    and it ends on SIGTERM with an exit status, never a signal."""
+def _reloads(base):
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        found = re.search(r"^empanel_rpc_reloads_total (\S+)$", response.read().decode(), re.M)
+    return float(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("slots", ["25%", "none"])
+def test_llama_server_under_load_takes_a_lost_host_back(tmp_path, slots):
+    """`empanel-gguf llama-server --rpc` at 25 % slots (and stock, without) under the load of
+    test_programs.py::test_llama_server_under_load, one host killed after 40 answers, then started
+    again: every request is answered (200 before the loss; after it llama-server's own 500
+    "Compute error.", or an error event in a stream already under way), nothing aborts; once the
+    host serves again the server loads the model on it anew by itself (patch 0014) and answers as
+    stock llama.cpp on the same hosts does; it ends on SIGTERM with an exit status, never a signal."""
     import loadgen
     from empanel_gguf.commands.options import default_model_path
 
     require_programs("llama-server")
+    model = str(default_model_path())
+    prompts = ["ROMEO:", "JULIET:", "Once upon a time"]
+    ask_all = lambda base: [loadgen.ask(base, p, chat=False, stream=False) for p in prompts]  # noqa: E731
     servers = RpcServers(tmp_path / "srv", caches=(True, True))
     try:
+        with loadgen.llama_server(model, "none", tmp_path / "stock.log", "--rpc", servers.servers) as (base, _):
+            stock = ask_all(base)
         victim = servers.procs[1]
-        with loadgen.llama_server(str(default_model_path()), "25%", tmp_path / "server.log", "--rpc",
-                                  servers.servers) as (base, proc):
+        with loadgen.llama_server(model, slots, tmp_path / "server.log", "--rpc", servers.servers) as (base, proc):
+            before = ask_all(base)
             load = loadgen.run_load(base, after=(40, lambda: os.killpg(victim.pid, signal.SIGKILL)))
-            later = loadgen.ask(base, "ROMEO:", chat=False, stream=False)
+            during = loadgen.ask(base, "ROMEO:", chat=False, stream=False)
+            servers.restart(1)
+            deadline, refused_after = time.monotonic() + 60, 0
+            while (answer := loadgen.ask(base, "ROMEO:", chat=False, stream=False))["status"] != 200:
+                refused_after += 1
+                assert time.monotonic() < deadline, answer
+                time.sleep(0.2)
+            after = ask_all(base)
+            reloads = _reloads(base)
             with urllib.request.urlopen(f"{base}/health", timeout=10) as response:
                 health = response.status
             alive = proc.poll() is None
@@ -459,11 +493,16 @@ def test_llama_server_under_load_survives_a_lost_host(tmp_path):
     assert len(served) >= 30, len(served)  # those before the loss
     assert refused and all("Compute error" in (a["error"] or "") for a in refused), refused[:4]
     assert all(400 <= status < 500 for status, _ in load["malformed"]), load["malformed"]
-    assert later["status"] == 500 and "Compute error" in later["error"]
+    assert during["status"] == 500 and "Compute error" in during["error"]
+    texts = lambda answers: [a["text"] for a in answers]  # noqa: E731
+    assert all(a["status"] == 200 for a in stock + before + after), stock + before + after
+    assert texts(before) == texts(stock) and texts(after) == texts(stock), (stock, before, after)
+    assert reloads == 1, reloads
     assert alive and health == 200
     assert proc.returncode is not None and proc.returncode >= 0, proc.returncode  # not a signal
     log = (tmp_path / "server.log").read_text()
     assert f"RPC server {servers.endpoints[1]}: the connection was lost" in log, log[-3000:]
+    assert f"empanel: RPC server {servers.endpoints[1]} answers again" in log, log[-3000:]
 
 
 def _cut_short(path):

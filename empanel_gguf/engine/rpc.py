@@ -72,8 +72,16 @@ def lost_servers():
 def lost_error(endpoints):
     """The RpcError of a decode that needed lost servers."""
     return RpcError(f"RPC server {', '.join(endpoints)}: the connection was lost or a wait timed out during this "
-                    "decode; nothing of it was returned. Close this Llama, and load again once the host "
-                    "serves again (EMPANEL_RPC_WAIT_TIMEOUT: seconds a wait may take, default 600)")
+                    "decode; nothing of it was returned. Once the host serves again, the next call loads the "
+                    "model on it anew, its KV cache empty (EMPANEL_RPC_WAIT_TIMEOUT: seconds a wait may take, "
+                    "default 600)")
+
+
+def hosts_back(endpoints):
+    """True when every one of the lost endpoints answers a handshake again, so that the model can be
+    loaded on them anew (a restarted ggml-rpc-server holds nothing of the old connection). Probes
+    at most once a second (False in between), each step waiting 1 s at most."""
+    return native().sidecar.empanel_rpc_hosts_back(",".join(endpoints).encode()) == 1
 
 
 def use_servers(servers, llama_kwargs):

@@ -104,6 +104,12 @@ extern "C" {
     // computation during which an expert read failed fails (GGML_STATUS_FAILED, llama_decode: -3).
     // Prometheus text of those pools' counters ("" without any), for llama-server's /metrics.
     LLAMA_API const char * llama_empanel_program_metrics(void);
+    // llama-server (patch 0014): true when an RPC host that ctx's backends run on was lost and
+    // every such host answers again. A restarted ggml-rpc-server holds nothing of the old
+    // connection, so the caller then loads the model and its contexts anew. Probes at most once a
+    // second, each step waiting 1 s at most (the sidecar's probe, loaded for it); false when no host
+    // was lost
+    LLAMA_API bool llama_empanel_hosts_back(const struct llama_context * ctx);
 
     // the pool tensors are ordinary ggml tensors in ordinary backend buffers: empanel-gguf finds
     // their memory and writes their slots through ggml's public backend API (csrc/backend.c)

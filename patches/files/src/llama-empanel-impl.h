@@ -102,6 +102,11 @@ ggml_status llama_empanel_program_status(const llama_model * model, ggml_status 
 // sched with RPC backends is synchronized to know.
 bool llama_empanel_hosts_ok(ggml_backend_sched_t sched);
 
+// llama_empanel_hosts_back: every lost host of "HOST:PORT,..." answers a handshake again (the
+// sidecar probes, at most once a second; loaded for it, plan or not); false without the sidecar
+// (llama-empanel-program.cpp)
+bool llama_empanel_program_hosts_back(const std::string & endpoints);
+
 // context: a graph computation over the model's pools begins; returns what
 // llama_empanel_graph_end takes after it (nullptr for a model without paged pools). One graph at a
 // time computes over a model's paged pools, so that two contexts on one model (two threads, or

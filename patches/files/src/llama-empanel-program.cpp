@@ -31,6 +31,7 @@ struct llama_empanel_sidecar {
     bool         (*failed)     (void * pool);
     const char * (*error)      (void * pool);
     void         (*clear_error)(void * pool);
+    int32_t      (*hosts_back) (const char * endpoints);
 };
 
 std::mutex                            g_program_mutex;
@@ -74,6 +75,7 @@ const llama_empanel_sidecar * llama_empanel_sidecar_get(std::string & err) {
             { "empanel_pool_failed",      (void **) &api.failed      },
             { "empanel_pool_error",       (void **) &api.error       },
             { "empanel_pool_clear_error", (void **) &api.clear_error },
+            { "empanel_rpc_hosts_back",   (void **) &api.hosts_back  },
         };
         for (auto & sym : syms) {
             *sym.fn = dlsym(lib, sym.name);
@@ -176,6 +178,12 @@ ggml_status llama_empanel_program_status(const llama_model * model, ggml_status 
     llama_empanel_report(api->error(pool));
     api->clear_error(pool);
     return GGML_STATUS_FAILED;
+}
+
+bool llama_empanel_program_hosts_back(const std::string & endpoints) {
+    std::string why;
+    const llama_empanel_sidecar * api = llama_empanel_sidecar_get(why); // loaded now without a plan
+    return api != nullptr && api->hosts_back(endpoints.c_str()) == 1;
 }
 
 const char * llama_empanel_program_metrics(void) {
