@@ -173,6 +173,14 @@ int32_t empanel_offload_devices(void) {
     return n;
 }
 
+int32_t empanel_rpc_devices(void) {
+    int32_t n = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        n += llama_empanel_device_is_rpc(ggml_backend_dev_get(i));
+    }
+    return n;
+}
+
 int32_t empanel_unified_devices(void) {
     int32_t n = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); i++) {

@@ -242,10 +242,11 @@ static uint8_t * remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_
 // empanel_batch_wait_tensor; NULL: in index order) in the demand lane, or (by_expert) expert after
 // expert in the read-ahead lane; nothing may be in flight in that lane, nor in the other one
 // unless the read-ahead may go beside it. Their slots hold nothing until
-// empanel_batch_finish_lane succeeds.
+// empanel_batch_finish_lane succeeds. known: what the hosts' caches already wrote
+// ([(i - t0) * known_stride + m], remote_by_hash), NULL: ask them here.
 static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t t0, int32_t t1,
                       const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order,
-                      int by_expert) {
+                      int by_expert, const uint8_t * known, int32_t known_stride) {
     const int32_t lane = by_expert ? EMPANEL_LANE_AHEAD : EMPANEL_LANE_DEMAND;
     struct empanel_batch * batch = &pool->lanes.batch[lane];
     if (!empanel_batch_can_post(pool, lane, layer)) {
@@ -274,15 +275,17 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
         .stamp   = ++pool->lanes.n_batches,
     };
     const int32_t n_t = t1 - t0;
-    uint8_t * by_hash = remote_by_hash(layer, t0, t1, experts, slots, n); // [n_t * n] or NULL
+    uint8_t * asked = known == NULL ? remote_by_hash(layer, t0, t1, experts, slots, n) : NULL; // [n_t * n] or NULL
+    const uint8_t * by_hash = known != NULL ? known : asked;
+    const int32_t   stride  = known != NULL ? known_stride : n;
     for (int32_t q = 0; q < n_t * n; q++) { // tensor after tensor, or (by_expert) expert after expert
         const int32_t k = by_expert ? q % n_t : q / n;
         const int32_t m = by_expert ? q / n_t : q % n;
         const int32_t i = order != NULL ? order[k] : t0 + k;
         bp.chunk_end[i] = bp.n_chunks; // (tensor after tensor: up to its last chunk)
-        plan_job(pool, batch, layer, i, experts[m], slots[m], by_hash != NULL && by_hash[(i - t0) * n + m], &bp);
+        plan_job(pool, batch, layer, i, experts[m], slots[m], by_hash != NULL && by_hash[(i - t0) * stride + m], &bp);
     }
-    free(by_hash);
+    free(asked);
     batch->inflight     = 1;
     batch->beside       = empanel_batch_beside(pool, layer);
     batch->dropped      = 0;
@@ -301,17 +304,17 @@ static int post_batch(struct empanel_pool * pool, struct empanel_layer * layer, 
 
 int empanel_batch_post(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor,
                       const int32_t * experts, const int32_t * slots, int32_t n) {
-    return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n, NULL, 0) : 0;
+    return n > 0 ? post_batch(pool, layer, tensor, tensor + 1, experts, slots, n, NULL, 0, NULL, 0) : 0;
 }
 
 int empanel_batch_post_layer(struct empanel_pool * pool, struct empanel_layer * layer,
                             const int32_t * experts, const int32_t * slots, int32_t n, const int32_t * order) {
-    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, order, 0) : 0;
+    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, order, 0, NULL, 0) : 0;
 }
 
 int empanel_batch_post_ahead(struct empanel_pool * pool, struct empanel_layer * layer,
                             const int32_t * experts, const int32_t * slots, int32_t n) {
-    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, NULL, 1) : 0;
+    return n > 0 ? post_batch(pool, layer, 0, layer->n_tensors, experts, slots, n, NULL, 1, NULL, 0) : 0;
 }
 
 void empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * layer, const uint64_t * slot_mark,
@@ -453,23 +456,33 @@ int empanel_batch_finish(struct empanel_pool * pool) {
 
 int empanel_batch_read(struct empanel_pool * pool, struct empanel_layer * layer,
                          const int32_t * misses, const int32_t * slots, int32_t n_misses) {
-    // a group of misses fits in the staging
     uint64_t staged_per_expert;
     int32_t  max_chunks_per_expert;
     expert_needs(&pool->reader, layer, 0, layer->n_tensors, &staged_per_expert, &max_chunks_per_expert);
-    int32_t group = n_misses;
-    if (staged_per_expert > 0 && staged_per_expert * (uint64_t) group > EMPANEL_STAGING) {
-        group = (int32_t) (EMPANEL_STAGING / staged_per_expert);
-        group = group > 0 ? group : 1;
-    }
-    for (int32_t g0 = 0; g0 < n_misses; g0 += group) {
-        const int32_t n = g0 + group < n_misses ? group : n_misses - g0;
-        if (post_batch(pool, layer, 0, layer->n_tensors, misses + g0, slots + g0, n, NULL, 0) != 0 ||
-            empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0) {
-            return -1;
+    // RPC pools: the hosts' caches are asked for every miss at once (one round trip per host, not
+    // one per group), and an expert they wrote whole takes no staging: [i * n_misses + m] or NULL
+    const int32_t n_t = layer->n_tensors;
+    uint8_t * known = remote_by_hash(layer, 0, n_t, misses, slots, n_misses);
+    int status = 0;
+    for (int32_t g0 = 0, n = 0; g0 < n_misses && status == 0; g0 += n) {
+        // a group of misses fits in the staging (at least one)
+        uint64_t staged = 0;
+        for (n = 0; g0 + n < n_misses; n++) {
+            int whole = known != NULL;
+            for (int32_t i = 0; i < n_t && whole; i++) {
+                whole = known[i * n_misses + g0 + n];
+            }
+            const uint64_t need = whole ? 0 : staged_per_expert;
+            if (n > 0 && staged + need > EMPANEL_STAGING) {
+                break;
+            }
+            staged += need;
         }
+        status = post_batch(pool, layer, 0, n_t, misses + g0, slots + g0, n, NULL, 0, known != NULL ? known + g0 : NULL,
+                            n_misses) != 0 || empanel_batch_finish_lane(pool, EMPANEL_LANE_DEMAND) != 0 ? -1 : 0;
     }
-    return 0;
+    free(known);
+    return status;
 }
 
 // read experts layer->tables.misses[0, n) into the claimed, empty slots layer->tables.victims[0, n) and make

@@ -347,6 +347,8 @@ EMPANEL_API int32_t empanel_sidecar_version(void);
 EMPANEL_API int32_t empanel_offload_devices(void);
 // of those, the ones that share host memory (integrated GPUs, Apple's Metal): moe_host_cache's rule
 EMPANEL_API int32_t empanel_unified_devices(void);
+// of those, the devices of registered RPC servers: moe_guess's rule
+EMPANEL_API int32_t empanel_rpc_devices(void);
 
 // ggml's RPC backend (csrc/rpc.c): 1 if this build has it
 EMPANEL_API int32_t empanel_rpc_supported(void);

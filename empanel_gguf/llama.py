@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 from .engine.native import use_our_libraries
-from .planning.estimate import set_offload_probe, set_unified_probe
+from .planning.estimate import set_offload_probe, set_rpc_probe, set_unified_probe
 from .planning.format import format_bytes
 from .planning.index import ModelError, load_index
 from .planning.options import OPTIONS, check_known, llama_args_doc, moe_options
 from .planning.plan import plan_load, print_notices, resolve_repack, stock_equivalent, stock_kwargs
 from .planning.sizing import parse_size
 from .engine.pools import ExpertPools, MoeReadError
-from .engine.rpc import RpcError, hosts_back, lost_error, lost_servers, offload_devices, unified_devices
+from .engine.rpc import RpcError, hosts_back, lost_error, lost_servers, offload_devices, rpc_devices, unified_devices
 from .engine.rpc import use_servers as use_rpc_servers
 from .engine.rpc import wire_counts as rpc_wire_counts
 from .engine.stats import summary_line
@@ -31,6 +31,7 @@ from .engine.stats import summary_line
 llama_cpp = use_our_libraries()
 set_offload_probe(lambda: offload_devices() > 0)  # the estimate's question, answered by this build
 set_unified_probe(unified_devices)  # moe_host_cache's: do the offload devices share host memory
+set_rpc_probe(lambda: rpc_devices() > 0)  # moe_guess's: are layers going to RPC hosts
 
 __all__ = ["Llama", "MoeReadError"]
 

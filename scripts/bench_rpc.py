@@ -64,6 +64,7 @@ CHILD = textwrap.dedent("""
         kw["rpc_servers"] = spec["servers"]
     if spec["slots"]:
         kw["moe_slots"] = spec["slots"]
+        kw.update(spec["moe"])
     t0 = time.perf_counter()
     llm = Llama(spec["model"], **kw)
     load_s = time.perf_counter() - t0
@@ -71,12 +72,19 @@ CHILD = textwrap.dedent("""
     prompt = text[: spec["n_prompt"]]
     follow = text[spec["n_prompt"]: spec["n_prompt"] + spec["n_gen"]]  # decoded one at a time
 
+    def cpu_s(pid):  # user + system CPU seconds of a process so far
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def counters():
         stats = llm.moe_stats()
         total = stats["total"] if stats else {}
         sent, received, round_trips = rpc.wire_counts()
         by_command = {f"rt_{k}": v for k, v in rpc.round_trips_by_command().items()}
-        return {"sent": sent, "received": received, "round_trips": round_trips, **by_command, **{k: total.get(k, 0)
+        return {"sent": sent, "received": received, "round_trips": round_trips, **by_command,
+                "cpu_s": time.process_time(), "host_cpu_s": sum(cpu_s(pid) for pid in spec["host_pids"]),
+                **{k: total.get(k, 0)
                 for k in ("hits", "misses", "bytes_read", "copy_bytes", "remote_by_hash")}}
 
     def delta(a, b):
@@ -220,7 +228,8 @@ def run_config(name, args, workdir, link=None, link_exe=None):
                       args.timeout) if n_servers else None
     spec = {"model": args.model, "servers": ",".join(servers.endpoints) if servers else None,
             "slots": args.slots if pooled else None, "threads": args.threads, "n_ctx": args.n_prompt + args.n_gen + 16,
-            "n_prompt": args.n_prompt, "n_gen": args.n_gen, "text": TEXT}
+            "n_prompt": args.n_prompt, "n_gen": args.n_gen, "text": TEXT, "moe": parse_moe(args.moe),
+            "host_pids": [p.pid for p in servers.procs] if servers else []}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
         proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True,
@@ -234,6 +243,20 @@ def run_config(name, args, workdir, link=None, link_exe=None):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result.update(config=name, host_peak_rss=host_peaks, host_cache_bytes=cache_bytes, proxy_cpu_s=proxy_cpu)
     return result
+
+
+def parse_moe(items):
+    """["guess=off", ...] -> {"moe_guess": False, ...}: on/off as booleans, numbers as numbers."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        value = {"on": True, "off": False}.get(value, value)
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            pass
+        out[key if key.startswith("moe_") else f"moe_{key}"] = value
+    return out
 
 
 def per_token(phase, key):
@@ -261,21 +284,26 @@ def rows(results):
                 "host_peak_gib": [round(x / (1 << 30), 2) for x in r["host_peak_rss"] if x],
                 "host_cache_gib": r["host_cache_bytes"] / (1 << 30),
                 "proxy_cpu_s": r.get("proxy_cpu_s", 0.0),
+                "wall_ms_per_token": 1000 * per_token(tg, "s"),
+                "cpu_ms_per_token": 1000 * per_token(tg, "cpu_s"),
+                "host_cpu_ms_per_token": 1000 * per_token(tg, "host_cpu_s"),
             })
     return out
 
 
 def print_table(table):
     print("| config | link (RTT ms:Gbit/s) | pass | pp t/s | tg t/s | sent MiB/tok | recv MiB/tok | experts sent MiB/tok "
-          "| read here MiB/tok | by hash /tok | round trips /tok | hit | peak here GiB | hosts' peak GiB | proxy CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| read here MiB/tok | by hash /tok | round trips /tok | hit | peak here GiB | hosts' peak GiB | proxy CPU s "
+          "| ms/tok: wall, client CPU, hosts' CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         hit = f"{100 * row['hit_rate']:.0f} %" if row["hit_rate"] is not None else "-"
         print(f"| {row['config']} | {row['link']} | {row['pass']} | {row['pp_tps']:.2f} | {row['tg_tps']:.2f} "
               f"| {row['sent_mib_per_token']:.1f} | {row['received_mib_per_token']:.2f} "
               f"| {row['experts_sent_mib_per_token']:.1f} | {row['read_mib_per_token']:.1f} "
               f"| {row['by_hash_per_token']:.1f} | {row['round_trips_per_token']:.1f} | {hit} | {row['peak_gib']:.2f} "
-              f"| {', '.join(f'{x:.2f}' for x in row['host_peak_gib']) or '-'} | {row['proxy_cpu_s']:.1f} |")
+              f"| {', '.join(f'{x:.2f}' for x in row['host_peak_gib']) or '-'} | {row['proxy_cpu_s']:.1f} "
+              f"| {row['wall_ms_per_token']:.0f}, {row['cpu_ms_per_token']:.0f}, {row['host_cpu_ms_per_token']:.0f} |")
 
 
 def print_commands(table):
@@ -305,6 +333,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--links", default="direct", help="direct and/or RTT_MS[:GBIT] links, comma-separated")
     parser.add_argument("--json", help="write every result here")
+    parser.add_argument("--moe", action="append", default=[], metavar="KEY=VALUE",
+                        help="a moe_* option of the pooled configurations (guess=off); repeatable")
     args = parser.parse_args()
 
     results = []

@@ -213,7 +213,7 @@ def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path):
 
 
 AT_LOAD_SCRIPT = STEP + """
-llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots="auto")
+llm = Llama(sys.argv[1], n_ctx=256, logits_all=True, verbose=False, moe_slots="auto")
 at_load = llm.moe_stats()["budget"]
 llm.eval(llm.tokenize(%r))
 step(4)

@@ -119,8 +119,17 @@ CHILD = textwrap.dedent("""
     text = b"Once upon a time, in a land far away, there lived a king who had three daughters."
     kw = dict(n_ctx=256, logits_all=True, verbose=False, rpc_servers=servers, n_threads=1)
 
+    def decode_trips(llm):  # round trips per decoded token, after the text
+        llm.reset()
+        llm.eval(llm.tokenize(text))
+        r0 = rpc.wire_counts()[2]
+        for token in ref_tokens[:4]:
+            llm.eval([token])
+        return (rpc.wire_counts()[2] - r0) / 4
+
     llm = Llama(path, **kw)
     ref, ref_tokens = greedy_logits(llm, text, 6)
+    stock_trips = decode_trips(llm)
     llm.close()
 
     llm = Llama(path, moe_slots=slots, moe_io_threads=2, **kw)
@@ -139,8 +148,9 @@ CHILD = textwrap.dedent("""
                        "wire_sent": w1[0] - w0[0], "round_trips": w1[2] - w0[2],
                        "by_command": {k: v - c0.get(k, 0) for k, v in c1.items() if v - c0.get(k, 0)}})
     n_tensors = {len(layer.tensors) for layer in llm._experts.index.layers}
+    trips = {"stock": stock_trips, "pools": decode_trips(llm), "moe_layers": len(llm._experts.index.layers)}
     llm.close()
-    json.dump({"passes": passes, "n_tensors": sorted(n_tensors)}, open(out, "w"))
+    json.dump({"passes": passes, "n_tensors": sorted(n_tensors), "trips": trips}, open(out, "w"))
 """)
 
 
@@ -176,6 +186,10 @@ def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, 
     assert 0 < by_hash_trips <= second["n_waves"] * n_tensors and by_hash_trips < second["remote_by_hash"], second
     for p in (first, second):  # by command they add up: the routed ids read back (get_tensor), writes by hash
         assert sum(p["by_command"].values()) == p["round_trips"] and "get_tensor" in p["by_command"], p
+    # decoding, a MoE layer costs at most two round trips more than stock's: its routed ids read
+    # back, and one batch of writes by hash (moe_guess auto: no guess read back from a host)
+    trips = result["trips"]
+    assert trips["pools"] <= trips["stock"] + 2 * trips["moe_layers"], trips
     assert first["n_waves"] > first["n_remaps"], first  # the prompt ran in waves over the remote pools
     # every remap (and guess) of a layer on a host waits for it: counted as device syncs
     assert first["device_syncs"] >= first["n_remaps"] > 0, first

@@ -157,7 +157,7 @@ def _int_or(text, default):
 def plan_for_program(name, args, flags):
     """The LoadPlan of the program's model, or None when the program runs stock (no -m, no slot
     pools wanted, no MoE, or every expert fits with --moe-slots auto)."""
-    from ..planning.estimate import model_shape
+    from ..planning.estimate import model_shape, set_rpc_probe
     from ..planning.index import load_index
     from ..planning.plan import parse_moe_slots
     from .options import plan_from_args
@@ -183,6 +183,7 @@ def plan_for_program(name, args, flags):
     if values.get("rpc"):  # the program registers the servers: their layers are not held here
         kwargs["gpu_offload"] = True
         kwargs["n_gpu_layers"] = _int_or(values.get("ngl"), -1)
+        set_rpc_probe(lambda: True)  # moe_guess auto: its layers are on the hosts
     load = plan_from_args(index, args, moe_slots, kwargs, lora_paths=values["lora"])
     return load if load.pools is not None else None
 

@@ -128,6 +128,11 @@ def offload_devices():
     return int(native().sidecar.empanel_offload_devices())
 
 
+def rpc_devices():
+    """Of those, the devices of registered RPC servers."""
+    return int(native().sidecar.empanel_rpc_devices())
+
+
 def unified_devices():
     """Of those, the ones that share host memory: integrated GPUs as ggml marks them, Metal."""
     return int(native().sidecar.empanel_unified_devices())

@@ -213,6 +213,21 @@ def set_unified_probe(probe):
     _unified_probe = probe
 
 
+# devices of registered RPC servers: set by the drop-in like the probes above
+_rpc_probe = None
+
+
+def set_rpc_probe(probe):
+    """probe() -> True if RPC servers' devices are registered in this process (layers offloaded
+    go to them, with their pools)."""
+    global _rpc_probe
+    _rpc_probe = probe
+
+
+def rpc_servers_registered():
+    return bool(_ask(_rpc_probe, False))
+
+
 def _ask(probe, default):
     """probe()'s answer, or default where none is set or it fails (a missing library)."""
     if probe is None:

@@ -253,12 +253,15 @@ OPTIONS = (
                'file (refused if it is another model\'s), None (or "none") starts cold.',
            help="warm start from a calibration profile (empanel-gguf calibrate): auto uses this model "
                 "file's saved one if there is one"),
-    Option("guess", True, parse=parse_bool, metavar=ON_OFF,
+    Option("guess", None, parse=auto_bool, metavar="auto|on|off", show_default="auto",
            doc="the gate-ahead guess: while a layer runs a micro-batch that fits its pools, the next "
                "layer's router is applied to this layer's FFN input; the experts it names are evicted last "
-               "by the next layer. Costs one small matmul per layer, no reads; outputs are unchanged.",
+               "by the next layer. Costs one small matmul per layer, no reads; outputs are unchanged. None "
+               "(auto): on, except where RPC servers are registered: there the guess computed on a host is "
+               "read back, a round trip per layer, for 0.2 % of hit rate (docs/rpc.md). "
+               "moe_prefetch > 0 turns it on.",
            help="the gate-ahead guess: the next layer's router on this layer's input; its experts are "
-                "evicted last (no reads)"),
+                "evicted last (no reads); auto (default): on, except with RPC servers (a round trip per layer)"),
     Option("prefetch", "auto", parse=parse_prefetch, metavar="auto|N", check=_prefetch,
            server=Union[int, str],
            doc="N > 0 also reads the guessed experts that are not resident while the layer N or fewer "
