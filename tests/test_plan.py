@@ -194,3 +194,25 @@ def test_reader_threads_that_fail_to_start_say_so_and_leak_nothing(good_plan, mo
     for _ in range(200):  # 5 unstarted threads' buffers (264 KiB each) per try were lost: 260 MiB
         open_plan(text, model_path)
     assert _vm_size() - before < 32 << 20, (before, _vm_size())
+
+
+def test_switches_as_text_and_the_guess_rule():
+    """A switch given as text from Python reads as its flag does ("off" is off, never a true
+    string); moe_guess auto is on, except where RPC servers are registered (a guess computed on a
+    host costs a round trip per layer to read back)."""
+    from empanel_gguf.planning import estimate
+    from empanel_gguf.planning.options import moe_options
+    from empanel_gguf.planning.plan import resolve_guess
+
+    options = moe_options(moe_guess="off", moe_verify="off", moe_elastic="auto")
+    assert options.guess is False and options.verify is False and options.elastic is None
+    with pytest.raises(ValueError, match="moe_verify='maybe'"):
+        moe_options(moe_verify="maybe")
+    saved = estimate._rpc_probe
+    try:
+        estimate.set_rpc_probe(lambda: False)
+        assert resolve_guess(None) is True and resolve_guess(False) is False
+        estimate.set_rpc_probe(lambda: True)
+        assert resolve_guess(None) is False and resolve_guess(True) is True
+    finally:
+        estimate.set_rpc_probe(saved)

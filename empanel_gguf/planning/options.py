@@ -176,7 +176,13 @@ class Option:
         return f"LLAMA_ARG_{self.keyword.upper()}" if self.help else ""
 
     def checked(self, value):
-        """value as the load takes it; ValueError naming the option."""
+        """value as the load takes it; ValueError naming the option. A switch given as text from
+        Python ("off", "auto") is read as its flag's is, never as a true string."""
+        if isinstance(value, str) and self.parse in (parse_bool, auto_bool):
+            try:
+                value = self.parse(value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{self.keyword}={value!r}: {e}") from None
         if self.check is None:
             return value
         try:
