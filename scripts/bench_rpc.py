@@ -29,6 +29,9 @@ trip after they arrived, optionally at a bounded rate. Each entry is `direct` (p
 RTT_MS[:GBIT], e.g. `--links direct,0,0.2:1,0.5:10,2`; `0` is the proxy with no delay, which
 measures the proxy's own cost (its CPU seconds are reported: client, servers and proxy share the
 cores). Every configuration runs at every link.
+
+EMPANEL_BENCH_RPC_SERVER=PATH runs another build's ggml-rpc-server as the hosts (an A/B of the
+server side: a checkout's empanel_gguf/programs/ggml-rpc-server loads that checkout's libraries).
 """
 
 import argparse
@@ -152,7 +155,7 @@ class Servers:
 
     def __init__(self, n, cache, threads, workdir, link=None, link_exe=None, timeout=3600):
         self.procs, self.endpoints, self.dirs, self.proxies = [], [], [], []
-        server = program_path("ggml-rpc-server")
+        server = os.environ.get("EMPANEL_BENCH_RPC_SERVER") or program_path("ggml-rpc-server")
         for i in range(n):
             port = free_port()
             cache_dir = Path(workdir) / f"host{i}"
