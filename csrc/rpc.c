@@ -43,7 +43,6 @@ static int timeout_ms(void) {
 
 // patch 0008's functions in ggml-rpc, found by name (ggml may load its backends dynamically)
 typedef uint64_t (*rpc_hash_fn)      (const void * data, size_t size);
-typedef _Bool    (*rpc_set_by_hash_fn)(struct ggml_tensor * t, int64_t i2, uint64_t hash);
 typedef int      (*rpc_set_many_by_hash_fn)(struct ggml_tensor ** t, const int32_t * slots, const uint64_t * hash, int n,
                                             uint8_t * ok);
 typedef _Bool    (*rpc_set_cached_fn)(struct ggml_tensor * t, const void * data, size_t offset, size_t size);
@@ -56,7 +55,6 @@ struct rpc_fns {
     int                   found;
     ggml_backend_reg_t    reg;
     rpc_hash_fn           hash;
-    rpc_set_by_hash_fn    set_by_hash;
     rpc_set_many_by_hash_fn set_many_by_hash;
     rpc_set_cached_fn     set_cached;
     rpc_wire_bytes_fn     wire_bytes;
@@ -75,14 +73,13 @@ static void rpc_find(void) {
     }
     g_rpc.reg         = reg;
     g_rpc.hash        = (rpc_hash_fn)        ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_hash");
-    g_rpc.set_by_hash = (rpc_set_by_hash_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_slice_by_hash");
     g_rpc.set_many_by_hash = (rpc_set_many_by_hash_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_slices_by_hash");
     g_rpc.set_cached  = (rpc_set_cached_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_set_cached");
     g_rpc.wire_bytes  = (rpc_wire_bytes_fn)  ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_wire_bytes");
     g_rpc.hello_sizes = (rpc_hello_sizes_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_hello_sizes");
     g_rpc.endpoint_state = (rpc_endpoint_state_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_endpoint_state");
     g_rpc.round_trips_by_cmd = (rpc_round_trips_by_cmd_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_empanel_round_trips_by_cmd");
-    g_rpc.found = g_rpc.hash != NULL && g_rpc.set_by_hash != NULL && g_rpc.set_many_by_hash != NULL && g_rpc.set_cached != NULL && g_rpc.wire_bytes != NULL &&
+    g_rpc.found = g_rpc.hash != NULL && g_rpc.set_many_by_hash != NULL && g_rpc.set_cached != NULL && g_rpc.wire_bytes != NULL &&
                   g_rpc.hello_sizes != NULL && g_rpc.endpoint_state != NULL && g_rpc.round_trips_by_cmd != NULL;
 }
 
@@ -110,7 +107,8 @@ uint64_t empanel_rpc_hash(const void * data, uint64_t size) {
 }
 
 int empanel_rpc_write_by_hash(void * pool_tensor, int32_t slot, uint64_t hash) {
-    return rpc()->set_by_hash(pool_tensor, slot, hash) ? 1 : 0;
+    uint8_t ok = 0;
+    return empanel_rpc_write_by_hash_many(&pool_tensor, &slot, &hash, 1, &ok) == 1 ? 1 : 0;
 }
 
 int32_t empanel_rpc_write_by_hash_many(void ** pool_tensors, const int32_t * slots, const uint64_t * hashes, int32_t n,
