@@ -107,7 +107,7 @@ run() {
     "$PY" scripts/gpu_check.py -ngl 99 -n 8 --json "$out/cuda.json" || true
 
     echo "== decode: 100 % and 25 % slots vs resident, round trip per MoE layer (8-layer 30B shape)"
-    "$PY" -m empanel_gguf bench --write-model /tmp/cuda-m8.gguf --write-only --layers 8 > /dev/null
+    "$PY" -m empanel_gguf bench --write-model /tmp/cuda-m8.gguf --write-only --shape synthetic --layers 8 > /dev/null
     "$PY" scripts/gpu_check.py -ngl 99 --fixtures qwen3moe-q4_k --speed /tmp/cuda-m8.gguf --n-gen 32 \
         --json "$out/cuda-speed.json" || true
     echo "cuda_proof: done in $((SECONDS - t0)) s; $out/cuda.json, $out/cuda-speed.json"

@@ -4,7 +4,7 @@
 # (docs/reliability.md). Needs llama.cpp's programs (-DEMPANEL_PROGRAMS=ON).
 set -u
 cd "$(dirname "$0")/.."
-M=${1:?usage: scripts/neighbour_faces.sh MODEL.gguf (the 12-layer bench model: bench --write-model M12.gguf --layers 12)}
+M=${1:?usage: scripts/neighbour_faces.sh MODEL.gguf (the 12-layer bench model: bench --write-model M12.gguf --shape synthetic --layers 12)}
 BASE=$(awk -F: '/memory/ {print $3}' /proc/self/cgroup)
 CG=/sys/fs/cgroup/memory$BASE/empanel-faces
 LIMIT=$(python3 -c "import os; print(int(0.4 * os.path.getsize('$M')))")

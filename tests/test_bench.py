@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["--layers", "2", "--experts", "16", "--top-k", "4", "--embd", "256", "--expert-ff", "256",
-        "--heads", "4", "--heads-kv", "2", "--head-dim", "64"]
+TINY = ["--shape", "synthetic", "--layers", "2", "--experts", "16", "--top-k", "4", "--embd", "256",
+        "--expert-ff", "256", "--heads", "4", "--heads-kv", "2", "--head-dim", "64"]
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ import hashlib
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import gguf
@@ -60,6 +61,52 @@ _LLAMA_FTYPES = {
 
 
 @dataclass(frozen=True)
+class MlaDims:
+    """DeepSeek-V2/V3 multi-head latent attention and routing (arch deepseek2). The defaults are the
+    fixtures' scaled-down V3-like layer (real V3: q_lora 1536, kv_lora 512, nope 128, rope 64, v 128)."""
+
+    q_lora_rank: int = 32  # 0: queries straight from the hidden state (attn_q; V2-Lite)
+    kv_lora_rank: int = 32  # compressed kv width
+    rope_dim: int = 16  # rotary part of each q/k head
+    nope_dim: int = 16  # non-rotary part of each q/k head
+    v_dim: int = 16  # value head size
+    n_dense_lead: int = 1  # leading layers with a dense FFN instead of experts
+    n_expert_shared: int = 1  # shared experts, one dense FFN of n_expert_shared x n_ff_exp
+    n_groups: int = 4  # expert groups; routing first picks the best groups (0: none, V2)
+    n_groups_used: int = 2
+    gating: str = "sigmoid"  # V3: sigmoid scores plus exp_probs_b to choose; V2: "softmax", no bias
+    weights_norm: bool = True  # the chosen experts' weights renormalized to sum 1
+
+
+@dataclass(frozen=True)
+class ArchDims:
+    """What the layer writers read: one architecture's widths, from which its tensor names and
+    shapes (tensor_plan) and metadata (add_arch_hparams) follow. The fixtures make theirs from a
+    FixtureSpec (FixtureSpec.dims); the benchmark's model writer (lab/bench/synthetic.py) from its
+    shapes, real sizes included."""
+
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_embd: int
+    n_ff_exp: int  # hidden size of one routed expert
+    n_ff: int  # hidden size of a dense FFN (deepseek2 leading layers; feed_forward_length)
+    n_ff_shexp: int  # hidden size of the shared expert (qwen2moe)
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # q/k/v head size of the GQA archs
+    weight_type: str = "F32"
+    expert_types: tuple[str, ...] = ()
+    expert_holes: bool = False
+    sliding_window: int = 64  # gpt-oss: tokens, on every other layer
+    mla: MlaDims = MlaDims()
+
+    def expert_type(self, il: int) -> str:
+        return self.expert_types[il] if self.expert_types else self.weight_type
+
+
+@dataclass(frozen=True)
 class FixtureSpec:
     """Everything that determines a fixture file.
 
@@ -86,13 +133,19 @@ class FixtureSpec:
     seed: int = 0
     expert_holes: bool = False  # routed experts (F16/F32) left as holes of zeros in a sparse file: a
                                 # model larger than memory that takes no disk
-
-    def expert_type(self, il: int) -> str:
-        return self.expert_types[il] if self.expert_types else self.weight_type
+    # tokens: the base vocabulary padded to this size (vocabulary()); 0: the base's. Out of repr:
+    # the fingerprint of a spec without it is the one it always was
+    n_vocab: int = field(default=0, repr=False)
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def dims(self) -> ArchDims:
+        return ArchDims(self.arch, self.n_layer, self.n_expert, self.n_expert_used, self.n_embd,
+                        self.n_ff_exp, self.n_ff, self.n_ff_shexp, self.n_head, self.n_head_kv,
+                        self.head_dim, self.weight_type, self.expert_types, self.expert_holes)
 
 
 FIXTURES: dict[str, FixtureSpec] = {
@@ -201,7 +254,8 @@ def shard_paths(path: str | Path, n_shards: int) -> list[Path]:
 
 def fingerprint(spec: FixtureSpec) -> str:
     """A digest of the spec and FORMAT_VERSION, stored in the (first) file's metadata."""
-    return hashlib.sha256(f"{FORMAT_VERSION}:{spec!r}".encode()).hexdigest()[:16]
+    vocab = f":n_vocab={spec.n_vocab}" if spec.n_vocab else ""
+    return hashlib.sha256(f"{FORMAT_VERSION}:{spec!r}{vocab}".encode()).hexdigest()[:16]
 
 
 def is_complete(spec: FixtureSpec, path: str | Path) -> bool:
@@ -228,31 +282,58 @@ def is_complete(spec: FixtureSpec, path: str | Path) -> bool:
 # Tensors
 
 
-class _Tensors:
-    """Collects (name, float32 array in numpy order, ggml type name), drawn in call order."""
+class TensorSpec(NamedTuple):
+    """One tensor of a model: its name, ggml shape `ne` (ne0 the input, fan-in, dimension), its
+    ggml type, and how its values are made:
+        kind "matrix": normal with std scale / sqrt(ne0); "vector": normal with std scale (biases,
+        sinks); "norm": ones (RMS-norm weights); "hole": never written (zeros, _Hole). The bench's
+        writer (lab/bench/synthetic.py) types them by a recipe and adds "router"."""
 
-    def __init__(self, seed: int):
-        self.rng = np.random.default_rng(seed)
-        self.items: list[tuple[str, np.ndarray, str]] = []
+    name: str
+    ne: tuple[int, ...]
+    qtype: str
+    kind: str
+    scale: float
+
+
+class _Tensors:
+    """Collects the tensors' TensorSpecs in call order (the plan); _draw makes their values."""
+
+    def __init__(self):
+        self.plan: list[TensorSpec] = []
 
     def matrix(self, name: str, ne: tuple[int, ...], qtype: str, scale: float = 1.0) -> None:
         """A weight of ggml shape `ne`; ne0 is the input (fan-in) dimension."""
-        fan_in = ne[0]
-        values = self.rng.standard_normal(tuple(reversed(ne)), dtype=np.float32)
-        self.items.append((name, values * np.float32(scale / math.sqrt(fan_in)), qtype))
+        self.plan.append(TensorSpec(name, tuple(ne), qtype, "matrix", scale))
 
     def vector(self, name: str, ne: tuple[int, ...], std: float) -> None:
         """A bias-like F32 tensor with small normal values."""
-        values = self.rng.standard_normal(tuple(reversed(ne)), dtype=np.float32)
-        self.items.append((name, values * np.float32(std), "F32"))
+        self.plan.append(TensorSpec(name, tuple(ne), "F32", "vector", std))
 
     def hole(self, name: str, ne: tuple[int, ...], qtype: str) -> None:
         """A weight of ggml shape `ne` whose bytes are never written (zeros): _Hole."""
-        self.items.append((name, _Hole(tuple(reversed(ne)), np.float16 if qtype == "F16" else np.float32), qtype))
+        self.plan.append(TensorSpec(name, tuple(ne), qtype, "hole", 0.0))
 
     def norm(self, name: str, n: int) -> None:
         """An RMS-norm weight {n}: all ones."""
-        self.items.append((name, np.ones(n, dtype=np.float32), "F32"))
+        self.plan.append(TensorSpec(name, (n,), "F32", "norm", 1.0))
+
+
+def _draw(plan: list[TensorSpec], seed: int) -> Iterator[tuple[str, np.ndarray, str]]:
+    """(name, float32 values in numpy order or a _Hole, ggml type) per tensor, drawn in plan order
+    from one generator."""
+    rng = np.random.default_rng(seed)
+    for t in plan:
+        shape = tuple(reversed(t.ne))
+        if t.kind == "matrix":
+            values = rng.standard_normal(shape, dtype=np.float32) * np.float32(t.scale / math.sqrt(t.ne[0]))
+        elif t.kind == "vector":
+            values = rng.standard_normal(shape, dtype=np.float32) * np.float32(t.scale)
+        elif t.kind == "hole":
+            values = _Hole(shape, np.float16 if t.qtype == "F16" else np.float32)
+        else:
+            values = np.ones(shape, dtype=np.float32)
+        yield t.name, values, t.qtype
 
 
 class _Hole:
@@ -268,19 +349,19 @@ class _Hole:
         fout.truncate(fout.tell())  # (a hole at the end of the file too)
 
 
-def _add_embeddings(t: _Tensors, spec: FixtureSpec, n_vocab: int) -> None:
+def _add_embeddings(t: _Tensors, spec: ArchDims, n_vocab: int) -> None:
     # token_embd {n_embd, n_vocab}: unit-variance rows (the first norm rescales them anyway)
     t.matrix("token_embd.weight", (spec.n_embd, n_vocab), spec.weight_type,
              scale=math.sqrt(spec.n_embd))
 
 
-def _add_output(t: _Tensors, spec: FixtureSpec, n_vocab: int) -> None:
+def _add_output(t: _Tensors, spec: ArchDims, n_vocab: int) -> None:
     t.norm("output_norm.weight", spec.n_embd)
     # output {n_embd, n_vocab}: logits with std ~1 after the final norm
     t.matrix("output.weight", (spec.n_embd, n_vocab), spec.weight_type)
 
 
-def _add_gqa_attention(t: _Tensors, spec: FixtureSpec, il: int, qkv_bias: bool = False) -> None:
+def _add_gqa_attention(t: _Tensors, spec: ArchDims, il: int, qkv_bias: bool = False) -> None:
     """attn_q/k/v/output for n_head query heads and n_head_kv KV heads of head_dim each."""
     p = f"blk.{il}."
     n_q = spec.n_head * spec.head_dim  # query width
@@ -295,13 +376,13 @@ def _add_gqa_attention(t: _Tensors, spec: FixtureSpec, il: int, qkv_bias: bool =
     t.matrix(p + "attn_output.weight", (n_q, spec.n_embd), spec.weight_type)
 
 
-def _add_router(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _add_router(t: _Tensors, spec: ArchDims, il: int) -> None:
     # ffn_gate_inp {n_embd, n_expert}, F32 as llama.cpp never quantizes routers;
     # router logits have std ~1, so the chosen experts change from token to token
     t.matrix(f"blk.{il}.ffn_gate_inp.weight", (spec.n_embd, spec.n_expert), "F32")
 
 
-def _add_routed_experts(t: _Tensors, spec: FixtureSpec, il: int, n_ff: int) -> None:
+def _add_routed_experts(t: _Tensors, spec: ArchDims, il: int, n_ff: int) -> None:
     """ffn_{gate,up}_exps {n_embd, n_ff, n_expert} and ffn_down_exps {n_ff, n_embd, n_expert}."""
     p = f"blk.{il}."
     qtype = spec.expert_type(il)
@@ -314,7 +395,7 @@ def _add_routed_experts(t: _Tensors, spec: FixtureSpec, il: int, n_ff: int) -> N
     add(p + "ffn_down_exps.weight", (n_ff, spec.n_embd, spec.n_expert), qtype)
 
 
-def _add_dense_ffn(t: _Tensors, spec: FixtureSpec, il: int, suffix: str, n_ff: int) -> None:
+def _add_dense_ffn(t: _Tensors, spec: ArchDims, il: int, suffix: str, n_ff: int) -> None:
     """ffn_{gate,up}<suffix> {n_embd, n_ff} and ffn_down<suffix> {n_ff, n_embd}."""
     p = f"blk.{il}."
     t.matrix(p + f"ffn_gate{suffix}.weight", (spec.n_embd, n_ff), spec.weight_type)
@@ -322,7 +403,7 @@ def _add_dense_ffn(t: _Tensors, spec: FixtureSpec, il: int, suffix: str, n_ff: i
     t.matrix(p + f"ffn_down{suffix}.weight", (n_ff, spec.n_embd), spec.weight_type)
 
 
-def _qwen3moe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _qwen3moe_layer(t: _Tensors, spec: ArchDims, il: int) -> None:
     p = f"blk.{il}."
     t.norm(p + "attn_norm.weight", spec.n_embd)
     _add_gqa_attention(t, spec, il)
@@ -333,7 +414,7 @@ def _qwen3moe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
     _add_routed_experts(t, spec, il, spec.n_ff_exp)
 
 
-def _qwen2moe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _qwen2moe_layer(t: _Tensors, spec: ArchDims, il: int) -> None:
     p = f"blk.{il}."
     t.norm(p + "attn_norm.weight", spec.n_embd)
     _add_gqa_attention(t, spec, il, qkv_bias=True)
@@ -345,7 +426,7 @@ def _qwen2moe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
     _add_dense_ffn(t, spec, il, "_shexp", spec.n_ff_shexp)
 
 
-def _olmoe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _olmoe_layer(t: _Tensors, spec: ArchDims, il: int) -> None:
     p = f"blk.{il}."
     t.norm(p + "attn_norm.weight", spec.n_embd)
     _add_gqa_attention(t, spec, il)
@@ -356,7 +437,7 @@ def _olmoe_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
     _add_routed_experts(t, spec, il, spec.n_ff_exp)
 
 
-def _mixtral_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _mixtral_layer(t: _Tensors, spec: ArchDims, il: int) -> None:
     p = f"blk.{il}."
     t.norm(p + "attn_norm.weight", spec.n_embd)
     _add_gqa_attention(t, spec, il)
@@ -368,7 +449,7 @@ def _mixtral_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
     _add_routed_experts(t, spec, il, spec.n_ff_exp)
 
 
-def _gpt_oss_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _gpt_oss_layer(t: _Tensors, spec: ArchDims, il: int) -> None:
     p = f"blk.{il}."
     t.norm(p + "attn_norm.weight", spec.n_embd)
     _add_gqa_attention(t, spec, il, qkv_bias=True)
@@ -384,44 +465,36 @@ def _gpt_oss_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
     t.vector(p + "ffn_down_exps.bias", (spec.n_embd, spec.n_expert), std=0.02)
 
 
-# DeepSeek-V2 multi-head latent attention, scaled down (real V3: q_lora 1536, kv_lora 512,
-# nope 128, rope 64, v 128).
-_DS_Q_LORA_RANK = 32
-_DS_KV_LORA_RANK = 32
-_DS_ROPE_DIM = 16  # rotary part of each q/k head
-_DS_NOPE_DIM = 16  # non-rotary part of each q/k head
-_DS_V_DIM = 16  # value head size
-_DS_N_GROUPS = 4  # expert groups; routing first picks the best groups
-_DS_N_GROUPS_USED = 2
-_DS_DENSE_LEAD = 1  # leading layers with a dense FFN instead of experts
-
-
-def _deepseek2_layer(t: _Tensors, spec: FixtureSpec, il: int) -> None:
+def _deepseek2_layer(t: _Tensors, spec: ArchDims, il: int) -> None:
     p = f"blk.{il}."
+    m = spec.mla
     n_head = spec.n_head
-    k_head = _DS_NOPE_DIM + _DS_ROPE_DIM
+    k_head = m.nope_dim + m.rope_dim
     t.norm(p + "attn_norm.weight", spec.n_embd)
-    # q: x -> q_lora {n_embd, q_lora} -> norm -> heads {q_lora, n_head * (nope + rope)}
-    t.matrix(p + "attn_q_a.weight", (spec.n_embd, _DS_Q_LORA_RANK), spec.weight_type)
-    t.norm(p + "attn_q_a_norm.weight", _DS_Q_LORA_RANK)
-    t.matrix(p + "attn_q_b.weight", (_DS_Q_LORA_RANK, n_head * k_head), spec.weight_type)
+    if m.q_lora_rank:
+        # q: x -> q_lora {n_embd, q_lora} -> norm -> heads {q_lora, n_head * (nope + rope)}
+        t.matrix(p + "attn_q_a.weight", (spec.n_embd, m.q_lora_rank), spec.weight_type)
+        t.norm(p + "attn_q_a_norm.weight", m.q_lora_rank)
+        t.matrix(p + "attn_q_b.weight", (m.q_lora_rank, n_head * k_head), spec.weight_type)
+    else:  # q straight from x {n_embd, n_head * (nope + rope)}
+        t.matrix(p + "attn_q.weight", (spec.n_embd, n_head * k_head), spec.weight_type)
     # kv: x -> compressed kv plus the shared rope key {n_embd, kv_lora + rope}
-    t.matrix(p + "attn_kv_a_mqa.weight", (spec.n_embd, _DS_KV_LORA_RANK + _DS_ROPE_DIM),
-             spec.weight_type)
-    t.norm(p + "attn_kv_a_norm.weight", _DS_KV_LORA_RANK)
+    t.matrix(p + "attn_kv_a_mqa.weight", (spec.n_embd, m.kv_lora_rank + m.rope_dim), spec.weight_type)
+    t.norm(p + "attn_kv_a_norm.weight", m.kv_lora_rank)
     # per-head up-projections: k_b {nope, kv_lora, n_head}, v_b {kv_lora, v, n_head}
-    t.matrix(p + "attn_k_b.weight", (_DS_NOPE_DIM, _DS_KV_LORA_RANK, n_head), spec.weight_type)
-    t.matrix(p + "attn_v_b.weight", (_DS_KV_LORA_RANK, _DS_V_DIM, n_head), spec.weight_type)
-    t.matrix(p + "attn_output.weight", (n_head * _DS_V_DIM, spec.n_embd), spec.weight_type)
+    t.matrix(p + "attn_k_b.weight", (m.nope_dim, m.kv_lora_rank, n_head), spec.weight_type)
+    t.matrix(p + "attn_v_b.weight", (m.kv_lora_rank, m.v_dim, n_head), spec.weight_type)
+    t.matrix(p + "attn_output.weight", (n_head * m.v_dim, spec.n_embd), spec.weight_type)
     t.norm(p + "ffn_norm.weight", spec.n_embd)
-    if il < _DS_DENSE_LEAD:
+    if il < m.n_dense_lead:
         _add_dense_ffn(t, spec, il, "", spec.n_ff)
         return
     _add_router(t, spec, il)
-    # exp_probs_b {n_expert}: added to the sigmoid scores for choosing, not for weighting
-    t.vector(p + "exp_probs_b.bias", (spec.n_expert,), std=0.1)
+    if m.gating == "sigmoid":
+        # exp_probs_b {n_expert}: added to the sigmoid scores for choosing, not for weighting
+        t.vector(p + "exp_probs_b.bias", (spec.n_expert,), std=0.1)
     _add_routed_experts(t, spec, il, spec.n_ff_exp)
-    _add_dense_ffn(t, spec, il, "_shexp", spec.n_ff_exp)  # one shared expert
+    _add_dense_ffn(t, spec, il, "_shexp", spec.n_ff_exp * m.n_expert_shared)
 
 
 _LAYER_WRITERS = {
@@ -434,13 +507,18 @@ _LAYER_WRITERS = {
 }
 
 
-def _build_tensors(spec: FixtureSpec, n_vocab: int) -> _Tensors:
-    t = _Tensors(spec.seed)
-    _add_embeddings(t, spec, n_vocab)
-    for il in range(spec.n_layer):
-        _LAYER_WRITERS[spec.arch](t, spec, il)
-    _add_output(t, spec, n_vocab)
-    return t
+ARCHS = tuple(_LAYER_WRITERS)
+
+
+def tensor_plan(dims: ArchDims, n_vocab: int) -> list[TensorSpec]:
+    """Every tensor of a model of `dims` with n_vocab tokens, in file order: token_embd, each
+    layer's, output_norm, output."""
+    t = _Tensors()
+    _add_embeddings(t, dims, n_vocab)
+    for il in range(dims.n_layer):
+        _LAYER_WRITERS[dims.arch](t, dims, il)
+    _add_output(t, dims, n_vocab)
+    return t.plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,8 +542,10 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def vocabulary() -> tuple[list[str], list[int], list[str]]:
-    """(tokens, token types, merges): 256 byte tokens, one token per merge, control tokens."""
+def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): 256 byte tokens, one token per merge, control tokens, then
+    unused tokens up to n_vocab (a real model's vocabulary size: its output matrix, logits and
+    tokenizer tables at their real sizes; text never tokenizes to them)."""
     tokens = list(bytes_to_unicode().values())
     types = [int(gguf.TokenType.NORMAL)] * len(tokens)
     merges = []
@@ -477,18 +557,24 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
     for text in CONTROL_TOKENS:
         tokens.append(text)
         types.append(int(gguf.TokenType.CONTROL))
+    if n_vocab > len(tokens):
+        pad = n_vocab - len(tokens)
+        tokens += [f"<|unused_{i}|>" for i in range(pad)]
+        types += [int(gguf.TokenType.UNUSED)] * pad
     return tokens, types, merges
 
 
-def add_tokenizer(w: gguf.GGUFWriter) -> None:
-    """The fixtures' vocabulary (also the benchmark model's)."""
-    gguf_writer.add_tokenizer(w, *vocabulary())
+def add_tokenizer(w: gguf.GGUFWriter, n_vocab: int = 0) -> None:
+    """The fixtures' vocabulary (also the benchmark model's), padded to n_vocab tokens."""
+    gguf_writer.add_tokenizer(w, *vocabulary(n_vocab))
 
 
-def _add_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
-    gguf_writer.add_model_hparams(w, n_ctx=CONTEXT_LENGTH, n_embd=spec.n_embd, n_layer=spec.n_layer,
+def add_arch_hparams(w: gguf.GGUFWriter, spec: ArchDims, n_ctx: int = CONTEXT_LENGTH,
+                     rope_base: float = 10000.0) -> None:
+    """The hyperparameters llama.cpp reads for `spec`'s architecture (src/models/<arch>.cpp)."""
+    gguf_writer.add_model_hparams(w, n_ctx=n_ctx, n_embd=spec.n_embd, n_layer=spec.n_layer,
                                   n_head=spec.n_head, n_head_kv=spec.n_head_kv, rms_eps=RMS_EPS,
-                                  rope_base=10000.0, n_expert=spec.n_expert, n_expert_used=spec.n_expert_used)
+                                  rope_base=rope_base, n_expert=spec.n_expert, n_expert_used=spec.n_expert_used)
 
     if spec.n_expert == 0:
         w.add_feed_forward_length(spec.n_ff)
@@ -505,28 +591,33 @@ def _add_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
     if spec.arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(spec.n_ff_shexp)
     if spec.arch == "gpt-oss":
-        w.add_sliding_window(64)  # tokens; SWA on even layers (llama.cpp's default pattern)
+        w.add_sliding_window(spec.sliding_window)  # tokens; SWA on even layers (llama.cpp's default pattern)
+        if spec.head_dim != spec.n_embd // spec.n_head:  # (gpt-oss-20b: 64 heads of 64 over 2880)
+            w.add_key_length(spec.head_dim)
+            w.add_value_length(spec.head_dim)
     if spec.arch == "deepseek2":
         _add_deepseek2_hparams(w, spec)
 
 
-def _add_deepseek2_hparams(w: gguf.GGUFWriter, spec: FixtureSpec) -> None:
+def _add_deepseek2_hparams(w: gguf.GGUFWriter, spec: ArchDims) -> None:
     assert spec.n_head_kv == 1, "MLA caches one latent head per token"
-    w.add_leading_dense_block_count(_DS_DENSE_LEAD)
-    w.add_q_lora_rank(_DS_Q_LORA_RANK)
-    w.add_kv_lora_rank(_DS_KV_LORA_RANK)
-    w.add_rope_dimension_count(_DS_ROPE_DIM)
+    m = spec.mla
+    w.add_leading_dense_block_count(m.n_dense_lead)
+    w.add_q_lora_rank(m.q_lora_rank)  # (0: none; read unless llama.cpp takes the model for a "lite" one)
+    w.add_kv_lora_rank(m.kv_lora_rank)
+    w.add_rope_dimension_count(m.rope_dim)
     # MLA caches one "head" per token: the compressed kv plus the rope key
-    w.add_key_length(_DS_KV_LORA_RANK + _DS_ROPE_DIM)
-    w.add_value_length(_DS_KV_LORA_RANK)
-    w.add_key_length_mla(_DS_NOPE_DIM + _DS_ROPE_DIM)
-    w.add_value_length_mla(_DS_V_DIM)
-    w.add_expert_shared_count(1)
+    w.add_key_length(m.kv_lora_rank + m.rope_dim)
+    w.add_value_length(m.kv_lora_rank)
+    w.add_key_length_mla(m.nope_dim + m.rope_dim)
+    w.add_value_length_mla(m.v_dim)
+    w.add_expert_shared_count(m.n_expert_shared)
     w.add_expert_weights_scale(1.0)
-    w.add_expert_weights_norm(True)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_expert_group_count(_DS_N_GROUPS)
-    w.add_expert_group_used_count(_DS_N_GROUPS_USED)
+    w.add_expert_weights_norm(m.weights_norm)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType[m.gating.upper()])
+    if m.n_groups:
+        w.add_expert_group_count(m.n_groups)
+        w.add_expert_group_used_count(m.n_groups_used)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,18 +637,18 @@ def encode_tensor(values: np.ndarray, qtype: str) -> tuple[np.ndarray, gguf.GGML
 def _write_gguf(spec: FixtureSpec, path: Path) -> None:
     if spec.requantize_to is not None:
         assert spec.weight_type in ("F32", "F16") and not spec.expert_types
-    tokens, _, _ = vocabulary()
-    tensors = _build_tensors(spec, n_vocab=len(tokens))
+    tokens, _, _ = vocabulary(spec.n_vocab)
+    plan = tensor_plan(spec.dims, n_vocab=len(tokens))
 
     # shards of at most ceil(n / n_shards) tensors each; a tensor never spans two shards
-    per_shard = math.ceil(len(tensors.items) / spec.n_shards) if spec.n_shards > 1 else 0
+    per_shard = math.ceil(len(plan) / spec.n_shards) if spec.n_shards > 1 else 0
     w = gguf.GGUFWriter(path, spec.arch, split_max_tensors=per_shard)
     w.add_name(spec.name)
     w.add_string(FINGERPRINT_KEY, fingerprint(spec))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_hparams(w, spec)
-    add_tokenizer(w)
-    for name, values, qtype in tensors.items:
+    add_arch_hparams(w, spec.dims)
+    add_tokenizer(w, spec.n_vocab)
+    for name, values, qtype in _draw(plan, spec.seed):
         data, raw_dtype = (values, None) if isinstance(values, _Hole) else encode_tensor(values, qtype)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()

@@ -1,17 +1,19 @@
 """Benchmark empanel-gguf against stock llama.cpp (same build) on a MoE GGUF, llama-bench style.
 
-    empanel-gguf bench --write-model /data/qwen3-30b-a3b-shape.gguf      # write (or reuse), then bench
+    empanel-gguf bench --write-model /data/qwen3-30b-a3b.gguf            # write (or reuse), then bench
+    empanel-gguf bench --write-model /data/gpt-oss-20b.gguf --shape gpt-oss-20b --write-only
     empanel-gguf bench -m MODEL.gguf -r 3 -p 64 -n 32 --json out.json    # bench an existing model
-    empanel-gguf bench --write-model tiny.gguf --layers 2 --experts 16 --top-k 4 --embd 256 \
-        --expert-ff 256 --heads 4 --heads-kv 2 --head-dim 64 --write-only      # a tiny model only
+    empanel-gguf bench --write-model tiny.gguf --shape synthetic --layers 2 --experts 16 --top-k 4 \
+        --embd 256 --expert-ff 256 --heads 4 --heads-kv 2 --head-dim 64 --write-only  # a tiny model only
 
 (`python scripts/bench.py ...` runs the same on the working tree's package.)
 
 What it does, in one run and one build:
-- Optionally writes a synthetic MoE GGUF of a real model's shape (default Qwen3-30B-A3B: qwen3moe,
-  48 layers x 128 experts, top-8, n_embd 2048, expert ff 768, 32 q / 4 kv heads of 128), every
-  matrix Q4_K written as raw random blocks (no quantizer), streamed tensor by tensor; a file whose
-  metadata carries the same shape fingerprint is reused.
+- Optionally writes a MoE GGUF of a real model's shape with random weights (--shape: the default
+  qwen3-30b-a3b-q4_k_m, gpt-oss-20b, deepseek-v2-lite, with their real vocabulary sizes and the
+  tensor types llama-quantize's recipe gives them; or synthetic, the first one: Qwen3-30B-A3B's
+  layers, every matrix Q4_K, 401 tokens), written as raw random blocks (no quantizer), streamed
+  tensor by tensor; a file whose metadata carries the same shape fingerprint is reused.
 - Measures each configuration in its own child process (own peak RSS, own page cache state; the
   page cache is dropped before each run): stock llama.cpp (moe_slots=None), stock with weights
   served from the mapping (use_extra_bufts=False) at the machine's readahead and at 128 KiB, and
@@ -31,13 +33,16 @@ Output: a markdown table (stdout), a details table (scripts/bench.py adds issue 
 sample (rewritten after each run, so a long run can be watched). Progress goes to stderr.
 Root-only steps (dropping caches, cgroups, readahead) have switches to turn them off.
 
-Modules: synthetic (the model writer), host (the machine and the drive), configs, child (one
+Modules: synthetic (the model writer and its shapes; recipe: llama-quantize's tensor types, blocks:
+random weights per type), host (the machine and the drive), configs, child (one
 measured run, in its own process), runs (the parent: children, samples, rows), report (tables
 and targets), cli (the command line and the driver).
 """
 
 from .cli import main, setup_arg_parser
-from .synthetic import FINGERPRINT_KEY, ModelShape, q4_k_blocks, shape_fingerprint, write_model
+from .blocks import q4_k_blocks, random_rows
+from .synthetic import (DEFAULT_SHAPE, FINGERPRINT_KEY, SHAPES, ModelShape, plan_bytes, plan_types, shape_fingerprint,
+                        shape_with, tensor_plan, write_model)
 
-__all__ = ["FINGERPRINT_KEY", "ModelShape", "main", "q4_k_blocks", "setup_arg_parser", "shape_fingerprint",
-           "write_model"]
+__all__ = ["DEFAULT_SHAPE", "FINGERPRINT_KEY", "ModelShape", "SHAPES", "main", "plan_bytes", "plan_types", "q4_k_blocks",
+           "random_rows", "setup_arg_parser", "shape_fingerprint", "shape_with", "tensor_plan", "write_model"]

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .synthetic import ModelShape, write_model
+from .synthetic import DEFAULT_SHAPE, SHAPES, ModelShape, shape_with, write_model
 from ...planning.format import GiB, MiB
 from ...planning.host_memory import meminfo
 from ...planning.options import READ_THREADS
@@ -22,6 +22,11 @@ from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse
 from .child import child_main
 from .runs import Bench, median, build_rows, log, run_child, sample_metrics
 from .report import details_table, fmt, fmt_bytes, main_table, model_label, neighbour_table, prompt_table
+
+
+# --write-model's shape flags: flag -> ModelShape field (int)
+_SHAPE_FLAGS = {"--layers": "n_layer", "--experts": "n_expert", "--top-k": "n_expert_used", "--embd": "n_embd",
+                "--expert-ff": "n_ff_exp", "--heads": "n_head", "--heads-kv": "n_head_kv", "--head-dim": "head_dim"}
 
 
 def build_info() -> dict:
@@ -113,21 +118,24 @@ def setup_arg_parser():
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", help="an existing MoE GGUF to benchmark")
     g.add_argument("--write-model", metavar="PATH",
-                   help="write a synthetic model of the shape below to PATH (reused if identical), then bench it")
+                   help="write a model of the --shape below, random weights, to PATH (reused if identical), "
+                        "then bench it")
     g.add_argument("--write-only", action="store_true", help="stop after --write-model")
-    d = ModelShape()
-    g.add_argument("--layers", type=int, default=d.n_layer, help=f"(default: {d.n_layer})")
-    g.add_argument("--experts", type=int, default=d.n_expert, help=f"(default: {d.n_expert})")
-    g.add_argument("--top-k", type=int, default=d.n_expert_used, help=f"(default: {d.n_expert_used})")
-    g.add_argument("--embd", type=int, default=d.n_embd, help=f"(default: {d.n_embd})")
-    g.add_argument("--expert-ff", type=int, default=d.n_ff_exp, help=f"(default: {d.n_ff_exp})")
-    g.add_argument("--heads", type=int, default=d.n_head, help=f"(default: {d.n_head})")
-    g.add_argument("--heads-kv", type=int, default=d.n_head_kv, help=f"(default: {d.n_head_kv})")
-    g.add_argument("--head-dim", type=int, default=d.head_dim, help=f"(default: {d.head_dim})")
-    g.add_argument("--seed", type=int, default=d.seed, help="weights seed (default: 0)")
-    g.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+    g.add_argument("--shape", choices=list(SHAPES), default=DEFAULT_SHAPE,
+                   help="a real model's shape, its vocabulary size and the tensor types of its GGUF "
+                        "(qwen3-30b-a3b-q4_k_m: llama-quantize's Q4_K_M; gpt-oss-20b: MXFP4 experts, Q8_0; "
+                        "deepseek-v2-lite: Q4_K_M), or synthetic: Qwen3-30B-A3B's layers, every matrix Q4_K, "
+                        f"401 tokens; the flags below change any of them (default: {DEFAULT_SHAPE})")
+    d = SHAPES["synthetic"]
+    for flag, what in _SHAPE_FLAGS.items():
+        g.add_argument(flag, type=int, default=None, help=f"(default: the shape's; synthetic {getattr(d, what)})")
+    g.add_argument("--seed", type=int, default=None, help="weights seed (default: 0)")
+    g.add_argument("--routing-skew", type=float, default=None, metavar="S",
                    help="router rows scaled by exp(S * N(0,1)) per expert: some experts are routed to far "
-                        "more often, as in trained models (default: 0, uniform routing)")
+                        "more often, as in trained models (default: the shape's; synthetic 0, uniform routing)")
+    g.add_argument("--routing-locality", type=float, default=None, metavar="L",
+                   help="attention output scaled by 1 + L: more of a token's experts are the previous "
+                        "token's (default: the shape's; synthetic 0)")
 
     g = p.add_argument_group("runs")
     g.add_argument("-r", "--repetitions", type=int, default=3, help="runs per configuration (default: 3)")
@@ -305,13 +313,16 @@ def _bench(args, model, reports) -> int:
     return 0
 
 
+def shape_from_args(args) -> ModelShape:
+    """--shape with the fields the flags give (--layers, ..., --routing-locality) changed."""
+    overrides = {what: getattr(args, flag.lstrip("-").replace("-", "_")) for flag, what in _SHAPE_FLAGS.items()}
+    overrides.update(seed=args.seed, routing_skew=args.routing_skew, routing_locality=args.routing_locality)
+    return shape_with(args.shape, **{k: v for k, v in overrides.items() if v is not None})
+
+
 def _write_model(args) -> Path:
-    """--write-model: the synthetic model of the shape the flags give, written or reused."""
-    shape = ModelShape(n_layer=args.layers, n_expert=args.experts, n_expert_used=args.top_k,
-                       n_embd=args.embd, n_ff_exp=args.expert_ff, n_head=args.heads,
-                       n_head_kv=args.heads_kv, head_dim=args.head_dim, seed=args.seed,
-                       routing_skew=args.routing_skew)
-    return write_model(shape, args.write_model, log=log)
+    """--write-model: the model of shape_from_args, written or reused."""
+    return write_model(shape_from_args(args), args.write_model, log=log)
 
 
 def _setup(args, model) -> tuple[Bench, list[Config]]:
