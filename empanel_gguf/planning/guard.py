@@ -1,8 +1,10 @@
 """The memory guard: refuse a load whose estimate (estimate.py) does not fit, say what would, and
 watch while running.
 
-`check()` compares the host part of an estimate with the available memory minus a floor and
-raises MemoryRefused, with what to set instead (fewer slots, a smaller context), unless forced.
+`check()` compares the host part of an estimate that becomes resident with the available memory
+minus a floor, and what it reserves with the address space left (`ulimit -v`, strict
+overcommit), and raises MemoryRefused, with what to set instead (fewer slots, a smaller context),
+unless forced.
 `Watchdog` polls the available memory while a model runs (twice a second, one small file read)
 and calls back once when it falls below the floor, so that the command can stop cleanly before
 the kernel's OOM killer stops it uncleanly.
@@ -16,7 +18,7 @@ import threading
 
 from .estimate import Estimate, estimate
 from .format import GiB, KiB, MiB, format_bytes
-from .host_memory import available_memory
+from .host_memory import address_space_left, available_memory
 from .sizing import plan_slots
 
 
@@ -24,10 +26,13 @@ class MemoryRefused(RuntimeError):
     """The estimated resident set does not fit in the available memory minus the floor."""
 
 
-def check(est: Estimate, index=None, plan=None, *, available, floor, force=False, what="this load"):
-    """Raise MemoryRefused if est.host > available - floor (unless force); return the headroom.
+def check(est: Estimate, index=None, plan=None, *, available, floor, force=False, what="this load",
+          address_space=None):
+    """Raise MemoryRefused if est.host > available - floor, or est.host_reserved > the address
+    space left (address_space, None: measured), unless force; return the headroom.
 
     The message says what fits instead: how many slots per layer, which context size."""
+    check_address_space(est, address_space_left() if address_space is None else address_space, force, what)
     if available is None:
         return None
     budget = available - floor
@@ -42,6 +47,21 @@ def check(est: Estimate, index=None, plan=None, *, available, floor, force=False
     if force:
         print(f"empanel: warning: {message}", file=sys.stderr)
         return budget - est.host
+    raise MemoryRefused(message)
+
+
+def check_address_space(est: Estimate, left, force=False, what="this load"):
+    """Raise MemoryRefused if the load would reserve more address space than `left` bytes (None:
+    no limit): llama.cpp would fail an allocation part way through the load."""
+    if left is None or est.host_reserved <= left:
+        return
+    message = (f"{what} reserves about {format_bytes(est.host_reserved)} of address space ({est.describe()}), "
+               f"but only {format_bytes(left)} may be mapped (ulimit -v, or vm.overcommit_memory=2: CommitLimit "
+               "less Committed_AS):\n  - a smaller micro-batch (--moe-batch stock, -b / -ub), a smaller context "
+               "(-c) or fewer slots\n  - or raise the limit; --force to load anyway")
+    if force:
+        print(f"empanel: warning: {message}", file=sys.stderr)
+        return
     raise MemoryRefused(message)
 
 

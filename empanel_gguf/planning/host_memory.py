@@ -208,6 +208,19 @@ def parse_floor(text, total=None):
     return value
 
 
+def address_space_left(meminfo_path="/proc/meminfo", overcommit_path="/proc/sys/vm/overcommit_memory"):
+    """Bytes of address space this process may still map; None where nothing limits it. Limits:
+    RLIMIT_AS (`ulimit -v`) less what is mapped now, and strict overcommit
+    (vm.overcommit_memory = 2) CommitLimit less Committed_AS, where every reservation counts."""
+    values = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        values.append(max(0, soft - proc_status().get("VmSize", 0)))
+    if read_int(overcommit_path) == 2:
+        info = meminfo(meminfo_path)
+        if "CommitLimit" in info and "Committed_AS" in info:
+            values.append(max(0, info["CommitLimit"] - info["Committed_AS"]))
+    return min(values) if values else None
 
 
 def peak_rss():

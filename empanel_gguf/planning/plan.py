@@ -104,35 +104,90 @@ def stock_kwargs(repack: bool, subst=None, batch=None) -> dict | None:
     return {"moe_repack": bool(repack), **(batch or {})}
 
 
-PROMPT_UBATCH = 2048  # tokens per call and micro-batch where pools page (moe_batch "auto")
+PROMPT_UBATCH = 2048  # tokens per call and micro-batch where pools page (moe_batch "auto"), at most
+AUTO_UBATCHES = (2048, 1024, 512)  # moe_batch "auto"'s micro-batches, largest first
 BATCH_KWARGS = ("n_batch", "n_ubatch", "flash_attn")
+# moe_batch "auto" takes the largest micro-batch whose pools miss at most this share more
+# experts per decoded token than the best plan's (uniform routing: (best - slots) / (n_expert -
+# best)); a decode bound by its reads then loses at most as much, within this VM's run-to-run noise
+DECODE_NOISE = 0.03
 
 
 def planned_batch(batch, moe_slots, given, n_ctx) -> dict:
-    """moe_batch -> the Llama arguments a load with pools plans with ({}: the caller's own, or
-    llama-cpp-python's 512 without flash attention). Each prompt call of n_batch tokens is then
-    one micro-batch, whose waves read each expert at most once: a 2,048-token prompt reads the
-    experts once, not once per 512 tokens, and flash attention keeps its compute buffer small
-    (385 MiB at 2,048 tokens on the 30B shape, 2.3 GiB without it at n_ctx 8,448). "auto" plans it
-    where n_ctx is above 512 and none of BATCH_KWARGS is given (the caller's choice stands); a
-    number of tokens asks for it (ValueError beside n_batch or n_ubatch). plan_load drops it again
-    where the pools end up holding every expert: nothing pages there, and stock's defaults stand."""
+    """moe_batch -> the Llama arguments of the largest micro-batch a load with pools may plan ({}:
+    the caller's own, or llama-cpp-python's 512 without flash attention); planned_batches lists
+    them all."""
+    batches = planned_batches(batch, moe_slots, given, n_ctx)
+    return batches[0] if batches else {}
+
+
+def planned_batches(batch, moe_slots, given, n_ctx) -> list:
+    """moe_batch -> the micro-batches a load with pools chooses among, largest first, as Llama
+    arguments ([]: the caller's own, or llama-cpp-python's 512 without flash attention). Each
+    prompt call of n_batch tokens is then one micro-batch, whose waves read each expert at most
+    once: a 2,048-token prompt reads the experts once, not once per 512 tokens, and flash
+    attention keeps its compute buffer small (385 MiB at 2,048 tokens on the 30B shape, 2.3 GiB
+    without it at n_ctx 8,448). "auto" offers 2,048, 1,024 and 512 tokens with flash attention
+    where n_ctx is above 512 and none of BATCH_KWARGS is given (the caller's choice stands), and
+    plan_load takes the largest that costs decode nothing (_batched_load); a number of tokens asks
+    for that one (ValueError beside n_batch or n_ubatch). plan_load drops it again where the pools
+    end up holding every expert: nothing pages there, and stock's defaults stand."""
     if batch == "stock" or moe_slots is None:
-        return {}
+        return []
     if batch == "auto":
         # (not where layers are offloaded or waves may be masked: device pools, op offload)
         if any(given.get(key) is not None for key in BATCH_KWARGS) or given.get("n_gpu_layers") or \
-                waves_may_be_masked():
-            return {}
-        tokens = min(n_ctx, PROMPT_UBATCH)
-        return {"n_batch": tokens, "n_ubatch": tokens, "flash_attn": True} if tokens > 512 else {}
+                waves_may_be_masked() or n_ctx <= 512:
+            return []
+        sizes = sorted({min(n_ctx, tokens) for tokens in AUTO_UBATCHES}, reverse=True)
+        return [{"n_batch": tokens, "n_ubatch": tokens, "flash_attn": True} for tokens in sizes]
     if given.get("n_batch") is not None or given.get("n_ubatch") is not None:
         raise ValueError(f"moe_batch={batch!r} with n_batch / n_ubatch: give one or the other")
     tokens = min(n_ctx, int(batch))
     out = {"n_batch": tokens, "n_ubatch": tokens}
     if given.get("flash_attn") is None:
         out["flash_attn"] = True
-    return out
+    return [out]
+
+
+def _batched_load(index, batches, plan_with, weigh=True):
+    """The load of the largest of `batches` (largest first) whose pools hold within DECODE_NOISE of
+    the experts the best plan holds, llama-cpp-python's own micro-batch among them (plan_with({})):
+    decided by what decode will read, not by what happened to fit (weigh=False: the first that
+    fits, a micro-batch asked for by name). A micro-batch whose compute buffer does not fit
+    (MemoryRefused), or whose pools hold every expert (nothing pages: stock's defaults stand), is
+    not taken."""
+    try:
+        stock = plan_with({})
+        refused = None
+    except MemoryRefused as e:
+        stock, refused = None, e
+    if stock is not None and (stock.plan is None or stock.plan.holds_all):
+        return stock
+    paging = []
+    for batch in batches:
+        try:
+            load = plan_with(batch)
+        except MemoryRefused:
+            continue
+        if load.plan is not None and not load.plan.holds_all:
+            paging.append((batch, load))
+    if not paging:
+        if refused is not None:
+            raise refused
+        return stock
+    held = [load.estimate.experts for _, load in paging] + ([stock.estimate.experts] if stock is not None else [])
+    best = max(held) if weigh else 0
+    for batch, load in paging:
+        if best - load.estimate.experts <= DECODE_NOISE * max(0, index.expert_bytes_total - best):
+            load.micro_batch = batch
+            load.notes.append(f"moe-batch: prompts in calls of up to {batch['n_batch']} tokens, one micro-batch "
+                              "each" + (" with flash attention" if batch.get("flash_attn") else "")
+                              + ": each expert read once per call")
+            return load
+    stock.notes.append(f"moe-batch: llama-cpp-python's own micro-batch: calls of {batches[-1]['n_batch']} tokens "
+                       "or more would hold fewer experts, and decode would read more")
+    return stock
 
 
 def host_cache_bytes(host_cache, est, unified_devices=0, allow_unified=False) -> int:
@@ -280,7 +335,7 @@ def print_notices(lines, verbose=True):
 
 
 def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(), floor=None, force=False,
-              guard=True, available=None, total=None, what=None) -> LoadPlan:
+              guard=True, available=None, total=None, what=None, address_space=None) -> LoadPlan:
     """Decide the slots, check memory and gather what the load needs.
 
     moe_slots: None (every expert resident), 'auto', or anything plan_slots takes. 'auto' keeps
@@ -291,7 +346,8 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     (refused if they change routed experts). guard=False: estimate, but never refuse nor warn
     (Llama with an explicit moe_slots); force: warn instead of refusing. available: bytes free
     (None: measured); total: bytes the binding limit holds, which elastic "auto" pools may grow
-    into (None: the limit measured where available is, else none above available). Raises guard.MemoryRefused, sizing.SlotsError for
+    into (None: the limit measured where available is, else none above available). address_space:
+    bytes that may still be mapped (None: measured, host_memory.address_space_left). Raises guard.MemoryRefused, sizing.SlotsError for
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
     given = llama_kwargs or {}
@@ -301,21 +357,15 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     if available is None:
         available, total = available_memory(), total_memory() if total is None else total
     floor = default_floor() if floor is None else floor
-    batch = planned_batch(options.batch, moe_slots if index.is_moe else None, given,
-                          resolve_n_ctx(kwargs["shape"], kwargs["n_ctx"]))
-    if batch:
-        try:
-            load = plan_load(index, moe_slots, {**given, **batch}, options=replace(options, batch="stock"),
+    batches = planned_batches(options.batch, moe_slots if index.is_moe else None, given,
+                              resolve_n_ctx(kwargs["shape"], kwargs["n_ctx"]))
+    if batches:
+        def plan_with(batch):
+            return plan_load(index, moe_slots, {**given, **batch}, options=replace(options, batch="stock"),
                              lora_paths=lora_paths, floor=floor, force=force, guard=guard, available=available,
-                             total=total, what=what)
-        except MemoryRefused:
-            load = None  # the larger compute buffer does not fit: llama-cpp-python's own micro-batch
-        if load is not None and load.plan is not None and not load.plan.holds_all:  # the pools page
-            load.micro_batch = batch
-            load.notes.append(f"moe-batch: prompts in calls of up to {batch['n_batch']} tokens, one micro-batch "
-                              "each" + (" with flash attention" if batch.get("flash_attn") else "")
-                              + ": each expert read once per call")
-            return load
+                             total=total, what=what, address_space=address_space)
+
+        return _batched_load(index, batches, plan_with, weigh=options.batch == "auto")
     notes = []
 
     # pools that give memory back may take more of it: half the floor stays free (the controller's
@@ -336,10 +386,10 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         at_load = plan_slots(index, decided, options.policy, options.resident_layers)
         if options.budget is None:
             options = replace(options, budget=at_load.pool_bytes)
-        est = estimate(index, at_load, **kwargs)
+        est = replace(estimate(index, at_load, **kwargs), experts_reserved=plan.expert_bytes)
     if guard:
         check(est, index, plan, available=available, floor=sizing_floor if plan is not None else floor,
-              force=force, what=what or f"loading {Path(index.path).name}")
+              force=force, what=what or f"loading {Path(index.path).name}", address_space=address_space)
     load = LoadPlan(requested=moe_slots, moe_slots=capacity, plan=plan, estimate=est, available=available,
                     floor=floor, notes=notes, index=index, options=options, layout=layout)
     if layout.warning:

@@ -378,6 +378,7 @@ def _result(spec, llm, load_s, rss, warmup, pp, tg, moe_total) -> dict:
         "rss_anon_end": status.get("RssAnon"),
         "rss_file_end": status.get("RssFile"),
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "predicted": _predicted(spec, llm),
         "moe_slots_total": (moe_total or {}).get("n_slots"),
         "moe_slots_resolved": getattr(llm, "moe_slots", None),
         "warmup": warmup,
@@ -385,6 +386,24 @@ def _result(spec, llm, load_s, rss, warmup, pp, tg, moe_total) -> dict:
         "tg": tg,
         "moe_total": moe_total,
     }
+
+
+def _predicted(spec, llm) -> dict:
+    """The planner's figures for this run (planning/estimate.py): resident at the context the run
+    reached (what its peak RSS is held to), resident at the end of n_ctx (what the plan sized
+    by), reserved. Stock loads: the estimate with every expert resident."""
+    from empanel_gguf.planning.estimate import estimate
+    from empanel_gguf.planning.index import load_index
+
+    load = getattr(llm, "moe_load", None)
+    if load is not None:
+        est = load.estimate
+    else:
+        kwargs = {key: value for key, value in _llama_kwargs(spec).items()
+                  if key in ("n_ctx", "n_batch", "n_ubatch", "logits_all", "flash_attn")}
+        est = estimate(load_index(spec["model"]), None, **kwargs)
+    return {"resident": est.at_context(llm.n_tokens).host, "resident_at_n_ctx": est.host,
+            "reserved": est.host_reserved}
 
 
 def _total(llm):

@@ -105,8 +105,8 @@ def main_table(bench: Bench, rows) -> str:
 def details_table(bench: Bench, rows) -> str:
     """Where the decode time goes, per row (medians; ms per decoded token). 'cold': the warm-up
     run right after load, before the measured one."""
-    headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "cgroup peak", "tg io/tok", "read ms",
-               "write ms", "wait ms", "compute ms", "reader CPU ms", "process CPU ms", "of it sys ms", "switches/tok",
+    headers = ["config", "cap", "status", "load s", "cold pp t/s", "cold tg t/s", "peak RSS", "predicted", "cgroup peak", "tg io/tok",
+               "read ms", "write ms", "wait ms", "compute ms", "reader CPU ms", "process CPU ms", "of it sys ms", "switches/tok",
                "copied/tok", "disk GB/s busy", "disk busy %", "ceiling t/s",
                "reader % drive", "others' CPU %", "argmax = stock", "pp waves", "pp read", "pp hidden %",
                "pp wait ms", "tg guess recall %", "tg read-ahead used %", "tg read-ahead dropped %", "tg read-ahead waste/tok"]
@@ -115,7 +115,8 @@ def details_table(bench: Bench, rows) -> str:
         status = row["status"] if row["status"].startswith("ok") else (row.get("error") or row["status"])[:40]
         out.append([row["config"], row["cap"], status, fmt(row.get("load_s"), ".1f"),
                     fmt(row.get("cold_pp_tps")), fmt(row.get("cold_tg_tps")), fmt_bytes(row.get("peak_rss")),
-                    fmt_bytes(row.get("cgroup_peak")), fmt_bytes(row.get("tg_io_per_tok")),
+                    fmt_bytes(row.get("predicted_resident")), fmt_bytes(row.get("cgroup_peak")),
+                    fmt_bytes(row.get("tg_io_per_tok")),
                     fmt(row.get("tg_read_ms"), ".1f"), fmt(row.get("tg_write_ms"), ".1f"),
                     fmt(row.get("tg_wait_ms"), ".1f"), fmt(row.get("tg_compute_ms"), ".1f"),
                     fmt(row.get("tg_read_cpu_ms"), ".1f"), fmt(row.get("tg_cpu_ms"), ".1f"),

@@ -315,6 +315,11 @@ def sample_metrics(s: dict) -> dict:
     m["peak_rss"] = s.get("peak_rss")
     m["load_s"] = s.get("load_s")
     m["cgroup_peak"] = s.get("cgroup_peak")
+    predicted = s.get("predicted") or {}
+    m["predicted_resident"] = predicted.get("resident")  # at the context the run reached
+    m["predicted_reserved"] = predicted.get("reserved")
+    if predicted.get("resident") and s.get("peak_rss"):
+        m["peak_over_predicted"] = s["peak_rss"] / predicted["resident"]
     m["others_cpu_pct"] = s.get("others_cpu_pct")
     probes = [p.get("gbps") for p in (s.get("drive"), s.get("drive_after")) if p and p.get("gbps")]
     m["drive_gbps"] = sum(probes) / len(probes) if probes else None
