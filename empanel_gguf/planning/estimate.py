@@ -188,6 +188,8 @@ def estimate(index, plan=None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_gpu_la
     notes = []
 
     experts = plan.expert_bytes if plan is not None else index.expert_bytes_total
+    # (g-lru maps every pool's slots, above the shared budget it fills)
+    experts_reserved = max(experts, plan.capacity_bytes + plan.resident_bytes) if plan is not None else experts
     per_token = shape.n_layer * shape.n_head_kv * (shape.head_k * kv_bytes_per_element(type_k)
                                                     + shape.head_v * kv_bytes_per_element(type_v))
     kv = int(per_token * n_ctx)
@@ -205,7 +207,7 @@ def estimate(index, plan=None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_gpu_la
     return Estimate(weights=index.other_bytes_total, experts=experts, kv=kv, compute=compute,
                     host_share=host_share, n_ctx=n_ctx, pooled=plan is not None,
                     kv_per_token=int(math.ceil(per_token)), notes=notes, params=params,
-                    compute_reserved=compute_reserved, experts_reserved=experts)
+                    compute_reserved=compute_reserved, experts_reserved=experts_reserved)
 
 
 def micro_batch(n_ctx, n_batch, n_ubatch) -> tuple:

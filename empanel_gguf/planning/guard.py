@@ -57,8 +57,9 @@ def check_address_space(est: Estimate, left, force=False, what="this load"):
         return
     message = (f"{what} reserves about {format_bytes(est.host_reserved)} of address space ({est.describe()}), "
                f"but only {format_bytes(left)} may be mapped (ulimit -v, or vm.overcommit_memory=2: CommitLimit "
-               "less Committed_AS):\n  - a smaller micro-batch (--moe-batch stock, -b / -ub), a smaller context "
-               "(-c) or fewer slots\n  - or raise the limit; --force to load anyway")
+               "less Committed_AS):\n  - a smaller micro-batch (--moe-batch 512, or -b / -ub 256 with -fa on), a "
+               "smaller context (-c) or fewer slots\n  - or raise the limit (--force loads anyway, and llama.cpp "
+               "then fails an allocation)")
     if force:
         print(f"empanel: warning: {message}", file=sys.stderr)
         return

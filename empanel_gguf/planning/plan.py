@@ -150,44 +150,46 @@ def planned_batches(batch, moe_slots, given, n_ctx) -> list:
     return [out]
 
 
-def _batched_load(index, batches, plan_with, weigh=True):
+def _batched_load(index, batches, plan_with, weigh=True, force=False):
     """The load of the largest of `batches` (largest first) whose pools hold within DECODE_NOISE of
     the experts the best plan holds, llama-cpp-python's own micro-batch among them (plan_with({})):
     decided by what decode will read, not by what happened to fit (weigh=False: the first that
-    fits, a micro-batch asked for by name). A micro-batch whose compute buffer does not fit
-    (MemoryRefused), or whose pools hold every expert (nothing pages: stock's defaults stand), is
-    not taken."""
-    try:
-        stock = plan_with({})
-        refused = None
-    except MemoryRefused as e:
-        stock, refused = None, e
-    if stock is not None and (stock.plan is None or stock.plan.holds_all):
-        return stock
-    paging = []
-    for batch in batches:
+    fits, a micro-batch asked for by name). Elastic pools are weighed by their capacity (what the
+    load grows into), others by the pools at load. Each is planned unforced (plan_with(batch,
+    force=False)): one the guard refuses is not taken; where every one is refused, the caller's
+    force decides (stock's micro-batch, forced, or its refusal). Where stock's micro-batch holds
+    every expert, nothing pages and stock's defaults stand; where only a larger one does (its
+    compute buffer is smaller: flash attention), that one is taken."""
+    loads, refused = [], None
+    for batch in [{}] + batches:
         try:
-            load = plan_with(batch)
-        except MemoryRefused:
+            load = plan_with(batch, force=False)
+        except MemoryRefused as e:
+            refused = refused if batch else e  # (stock's: what a load without moe_batch would say)
             continue
-        if load.plan is not None and not load.plan.holds_all:
-            paging.append((batch, load))
-    if not paging:
-        if refused is not None:
-            raise refused
-        return stock
-    held = [load.estimate.experts for _, load in paging] + ([stock.estimate.experts] if stock is not None else [])
-    best = max(held) if weigh else 0
-    for batch, load in paging:
-        if best - load.estimate.experts <= DECODE_NOISE * max(0, index.expert_bytes_total - best):
-            load.micro_batch = batch
-            load.notes.append(f"moe-batch: prompts in calls of up to {batch['n_batch']} tokens, one micro-batch "
-                              "each" + (" with flash attention" if batch.get("flash_attn") else "")
-                              + ": each expert read once per call")
-            return load
+        if load.plan is None or load.plan.holds_all:  # every expert held: nothing to weigh
+            return _with_batch(load, batch) if batch else load
+        loads.append((batch, load))
+    if not loads:
+        if force:
+            return plan_with({}, force=True)
+        raise refused if refused is not None else MemoryRefused("no micro-batch fits")
+    best = max(load.estimate.experts_reserved for _, load in loads) if weigh else 0
+    for batch, load in loads[1:] if loads[0][0] == {} else loads:
+        if best - load.estimate.experts_reserved <= DECODE_NOISE * max(0, index.expert_bytes_total - best):
+            return _with_batch(load, batch)
+    stock = loads[0][1]
     stock.notes.append(f"moe-batch: llama-cpp-python's own micro-batch: calls of {batches[-1]['n_batch']} tokens "
                        "or more would hold fewer experts, and decode would read more")
     return stock
+
+
+def _with_batch(load, batch):
+    load.micro_batch = batch
+    load.notes.append(f"moe-batch: prompts in calls of up to {batch['n_batch']} tokens, one micro-batch each"
+                      + (" with flash attention" if batch.get("flash_attn") else "") + ": each expert read once "
+                      "per call")
+    return load
 
 
 def host_cache_bytes(host_cache, est, unified_devices=0, allow_unified=False) -> int:
@@ -360,12 +362,12 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     batches = planned_batches(options.batch, moe_slots if index.is_moe else None, given,
                               resolve_n_ctx(kwargs["shape"], kwargs["n_ctx"]))
     if batches:
-        def plan_with(batch):
+        def plan_with(batch, force):
             return plan_load(index, moe_slots, {**given, **batch}, options=replace(options, batch="stock"),
                              lora_paths=lora_paths, floor=floor, force=force, guard=guard, available=available,
                              total=total, what=what, address_space=address_space)
 
-        return _batched_load(index, batches, plan_with, weigh=options.batch == "auto")
+        return _batched_load(index, batches, plan_with, weigh=options.batch == "auto", force=force)
     notes = []
 
     # pools that give memory back may take more of it: half the floor stays free (the controller's
@@ -386,7 +388,7 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         at_load = plan_slots(index, decided, options.policy, options.resident_layers)
         if options.budget is None:
             options = replace(options, budget=at_load.pool_bytes)
-        est = replace(estimate(index, at_load, **kwargs), experts_reserved=plan.expert_bytes)
+        est = replace(estimate(index, at_load, **kwargs), experts_reserved=est.experts_reserved)
     if guard:
         check(est, index, plan, available=available, floor=sizing_floor if plan is not None else floor,
               force=force, what=what or f"loading {Path(index.path).name}", address_space=address_space)
