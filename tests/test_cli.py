@@ -416,3 +416,22 @@ def test_default_floor_scales_down_for_small_memories():
     assert default_floor(4 * GiB) == GiB
     assert default_floor(int(1.6 * GiB)) == int(1.6 * GiB) // 4
     assert default_floor(512 << 20) == 128 << 20
+
+
+def test_run_n_0_generates_nothing_and_s_minus_1_is_random(model):
+    """llama.cpp's -n 0 evaluates the prompt and generates nothing (llama-cpp-python's max_tokens=0
+    would run to the end of the context); -s -1 samples with a random seed, said on stderr."""
+    from empanel_gguf.commands.run import resolve_seed
+
+    prompt = "Hello the world, and this is a test"
+    proc = cli("run", model, "-p", prompt, "-n", 0, "--moe-slots", 8)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == prompt + "\n"
+    rep = report(proc)
+    assert re.search(r"prompt +([2-9]|\d\d+) tokens in", rep), rep
+    assert re.search(r"decode +0 tokens", rep), rep
+    seeds = {resolve_seed(-1) for _ in range(4)}
+    assert len(seeds) > 1 and all(0 <= s < 2**31 for s in seeds)
+    assert resolve_seed(7) == 7
+    proc = cli("run", model, "-p", "Hello", "-n", 2, "--moe-slots", 8)
+    assert re.search(r"seed \d+ \(random: -s \d+ repeats this run\)", proc.stderr), proc.stderr

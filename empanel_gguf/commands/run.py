@@ -18,6 +18,7 @@ memory guard.
 import argparse
 import contextlib
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ def setup_arg_parser():
                         const=False, help="never chat: complete -p or the default prompt")
     parser.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     env_arg(parser, "-n", "--n-predict", env="LLAMA_ARG_N_PREDICT", type=int, default=64,
-            help="tokens to generate per completion or reply, -1 = until the end of the text")
+            help="tokens to generate per completion or reply, -1 = until the end of the text, 0 = none "
+                 "(the prompt is evaluated, as llama.cpp's -n 0)")
     add_load_args(parser)
     add_moe_args(parser, moe_slots_default=f"auto; {DEFAULT_MODEL_SLOTS} for the built-in model")
     env_arg(parser, "--no-mmap", env="LLAMA_ARG_NO_MMAP", action="store_true", default=False,
@@ -55,7 +57,7 @@ def setup_arg_parser():
     env_arg(parser, "--repeat-penalty", env="LLAMA_ARG_REPEAT_PENALTY", type=float, default=1.0,
             help="penalty for repeated tokens, 1.0 = none")
     env_arg(parser, "-s", "--seed", env="LLAMA_ARG_SEED", type=int, default=-1,
-            help="sampling seed, -1 = random")
+            help="sampling seed, -1 = a random one, shown in the report")
     add_memory_args(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="llama.cpp's own log")
     return parser
@@ -130,7 +132,9 @@ class Timings:
 
     def read(self):
         data = self.llama_cpp.llama_perf_context(self.llm._ctx.ctx)
-        return (data.n_p_eval, data.t_p_eval_ms / 1e3, data.n_eval, data.t_eval_ms / 1e3)
+        # (llama.cpp reports at least 1 token of each, timed or not: no time is no token)
+        return (data.n_p_eval if data.t_p_eval_ms > 0 else 0, data.t_p_eval_ms / 1e3,
+                data.n_eval if data.t_eval_ms > 0 else 0, data.t_eval_ms / 1e3)
 
 
 def _rate(n, seconds):
@@ -203,7 +207,15 @@ def _sampling(args):
 
 
 def _max_tokens(args):
-    return args.n_predict if args.n_predict and args.n_predict > 0 else None
+    """-n as llama-cpp-python's max_tokens: None (until the end of the text) for -1 or less; -n 0
+    generates nothing (complete and chat check it first: max_tokens 0 would mean no limit)."""
+    return args.n_predict if args.n_predict > 0 else None
+
+
+def resolve_seed(seed):
+    """-s: a seed of 0 or more as given; -1 (or less) a random one, so that runs differ as
+    llama.cpp's do (llama-cpp-python's default seed samples the same text every run)."""
+    return seed if seed >= 0 else random.SystemRandom().randrange(2**31)
 
 
 def complete(llm, args, prompt, guard, out):
@@ -211,6 +223,15 @@ def complete(llm, args, prompt, guard, out):
         out.write(prompt)
         out.flush()
     stopped = False
+    if args.n_predict == 0:  # the prompt only: its timing is in the report
+        from .. import llama_cpp
+
+        llm.reset()
+        llm.eval(llm.tokenize(prompt.encode("utf-8"), special=True))
+        llama_cpp.llama_synchronize(llm._ctx.ctx)  # (llama.cpp counts the prompt's time here)
+        out.write("\n")
+        out.flush()
+        return stopped
     try:
         for chunk in llm.create_completion(prompt, max_tokens=_max_tokens(args), stream=True,
                                            **_sampling(args)):
@@ -256,6 +277,9 @@ def chat(llm, args, guard, out, stdin, interactive):
             continue
         messages.append({"role": "user", "content": text})
         reply = []
+        if args.n_predict == 0:  # -n 0: no reply
+            messages.append({"role": "assistant", "content": ""})
+            continue
         try:
             for chunk in llm.create_chat_completion(messages, max_tokens=_max_tokens(args), stream=True,
                                                     **_sampling(args)):
@@ -284,7 +308,10 @@ def chat(llm, args, guard, out, stdin, interactive):
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    from .. import Llama, llama_cpp
+    if args.seed < 0:
+        args.seed = resolve_seed(args.seed)
+        note(f"seed {args.seed} (random: -s {args.seed} repeats this run)")
+    from .. import Llama
     from ..planning.guard import Watchdog
     from ..planning.host_memory import peak_rss
     from ..planning.estimate import cli_n_ctx, model_shape
@@ -322,7 +349,7 @@ def main(argv=None):
         return EXIT_MEMORY
 
     kwargs.update(use_mmap=not args.no_mmap, use_mlock=args.mlock,
-                  seed=llama_cpp.LLAMA_DEFAULT_SEED if args.seed < 0 else args.seed)
+                  seed=args.seed)
     try:
         with load_progress(name):
             llm = Llama(model, moe_load=load, **kwargs)
