@@ -161,6 +161,10 @@ def test_run_bad_slots_is_an_error(model):
     proc = cli("run", model, "-p", "Hello", "--moe-slots", 2)  # below top-4
     assert proc.returncode == 1
     assert "at least 4" in proc.stderr
+    proc = cli("run", model, "-p", "Hello", "--moe-slots", "abc")  # no form of moe_slots: a usage error
+    assert proc.returncode == 2
+    assert "not auto, none, a count (32), a share (25%) or a size (6GiB)" in proc.stderr
+    assert "indexed" not in proc.stderr  # before anything ran
 
 
 # ---------------------------------------------------------------------------------------------

@@ -316,8 +316,11 @@ def test_unknown_moe_option_is_refused(tmp_path):
     """llama_cpp.Llama swallows unknown keywords: a misspelt moe_* option would load stock."""
     from empanel_gguf import Llama
 
-    with pytest.raises(ValueError, match=r"unknown MoE option moe_slot: the options are moe_slots, moe_policy"):
+    with pytest.raises(ValueError, match=r"unknown MoE option moe_slot; did you mean moe_slots\? "
+                                         r"\(the options: moe_slots, moe_policy"):
         Llama(str(tmp_path / "never-read.gguf"), moe_slot="25%")
+    with pytest.raises(ValueError, match=r"unknown MoE option moe_zzz \(the options: "):
+        Llama(str(tmp_path / "never-read.gguf"), moe_zzz=1)
 
 
 def test_moe_profile_off_means_none():

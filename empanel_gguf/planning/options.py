@@ -119,6 +119,21 @@ def _budget(value):
     return size
 
 
+def parse_slots(text):
+    """--moe-slots: its form checked as the flag is read (a usage error before anything loads);
+    plan.parse_moe_slots turns the text into moe_slots' value."""
+    value = str(text).strip().lower()
+    if value in ("", "auto", "none", "off", "no", "false") or value.isdigit() or parse_size(value) is not None:
+        return text
+    if value.endswith("%"):
+        try:
+            float(value[:-1])
+            return text
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"{text!r}: not auto, none, a count (32), a share (25%) or a size (6GiB)")
+
+
 def parse_batch(text):
     """--moe-batch: auto, stock, or a number of tokens."""
     value = str(text).strip().lower()
@@ -195,7 +210,8 @@ POLICIES = ("auto",) + tuple(ENGINE_POLICIES)
 ON_OFF = "on|off"
 
 OPTIONS = (
-    Option("slots", None, metavar="N|P%|SIZE|auto|none", short="-ms", show_default="auto", server=Optional[str],
+    Option("slots", None, parse=parse_slots, metavar="N|P%|SIZE|auto|none", short="-ms", show_default="auto",
+           server=Optional[str],
            doc='slots per MoE layer: a count (32), a share of the experts ("25%"), a memory budget for all '
                'pools ("6GiB"), or "auto": every expert resident if the model fits in the available memory '
                "(minus a floor), else the most slots that fit. None: stock behaviour, every expert resident "
@@ -398,8 +414,12 @@ def check_known(keywords):
     """ValueError for a moe_* name that is no option, naming the valid ones."""
     unknown = sorted(set(keywords) - set(KEYWORDS))
     if unknown:
-        raise ValueError(f"unknown MoE option{'s' * (len(unknown) > 1)} {', '.join(unknown)}: the options are "
-                         f"{', '.join(KEYWORDS)}")
+        import difflib
+
+        close = [match for name in unknown for match in difflib.get_close_matches(name, KEYWORDS, n=1)]
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown MoE option{'s' * (len(unknown) > 1)} {', '.join(unknown)}{hint} (the options: "
+                         f"{', '.join(KEYWORDS)})")
 
 
 def moe_options(**moe_kwargs) -> MoeOptions:

@@ -142,6 +142,7 @@ def _wanted_slots(index, moe_slots, layers=None, resident_bytes=0):
         return math.ceil(share * index.n_expert - 1e-9)
     budget = parse_size(text)
     if budget is None:
-        raise SlotsError(f"moe_slots={moe_slots!r}: not a count, a share ('25%') or a size ('6GiB')")
+        raise SlotsError(f"moe_slots={moe_slots!r}: not 'auto', 'none', a count, a share ('25%') or a size "
+                         "('6GiB')")
     per_slot = sum(layer.expert_bytes for layer in (index.layers if layers is None else layers))
     return max(0, budget - resident_bytes) // per_slot  # one slot in every paged layer
