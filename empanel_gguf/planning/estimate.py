@@ -230,13 +230,13 @@ def compute_bytes(shape: Shape, n_ctx, n_batch, n_ubatch, logits_all, flash_attn
 
     n_kv_used = min(n_ctx, -(-n_ctx_used // KV_CELLS_PAD) * KV_CELLS_PAD)
     row = 4 * shape.n_vocab  # one row of F32 logits
-    runtime = RUNTIME_BYTES + VOCAB_BYTES_PER_TOKEN * shape.n_vocab
-    # the graph's logits [n_vocab, outputs], llama.cpp's output buffer (cleared when allocated:
-    # resident), llama-cpp-python's scores (written only with logits_all, a row per token evaluated)
+    # llama.cpp's output buffer (cleared when allocated: resident either way) and the runtime
+    fixed = row * (n_batch if logits_all else 1) + RUNTIME_BYTES + VOCAB_BYTES_PER_TOKEN * shape.n_vocab
+    # the graph's logits [n_vocab, outputs], llama-cpp-python's scores (written only with
+    # logits_all, a row per token evaluated)
     resident = (activations(n_kv_used) + row * (n_ubatch if logits_all else 1)
-                + row * (n_batch if logits_all else 1) + (row * n_ctx_used if logits_all else 0) + runtime)
-    reserved = (activations(n_ctx) + row * n_ubatch + row * (n_batch if logits_all else 1)
-                + row * (n_ctx if logits_all else n_batch) + runtime)
+                + (row * n_ctx_used if logits_all else 0) + fixed)
+    reserved = activations(n_ctx) + row * n_ubatch + row * (n_ctx if logits_all else n_batch) + fixed
     return int(resident), int(max(reserved, resident))
 
 

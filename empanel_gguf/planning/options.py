@@ -119,11 +119,14 @@ def _budget(value):
     return size
 
 
+SLOTS_NONE = ("", "none", "off", "no", "false", "0")  # moe_slots texts that mean None: stock, no pools
+
+
 def parse_slots(text):
     """--moe-slots: its form checked as the flag is read (a usage error before anything loads);
     plan.parse_moe_slots turns the text into moe_slots' value."""
     value = str(text).strip().lower()
-    if value in ("", "auto", "none", "off", "no", "false") or value.isdigit() or parse_size(value) is not None:
+    if value in SLOTS_NONE or value == "auto" or value.isdigit() or parse_size(value) is not None:
         return text
     if value.endswith("%"):
         try:

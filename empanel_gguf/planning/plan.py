@@ -30,7 +30,7 @@ from .guard import MemoryRefused, check, max_slots_that_fit
 from .host_memory import available_memory, default_floor, memory_sources, proc_status, total_memory
 from .index import adapter_expert_tensors
 from .layout import load_probe, resolve_layout
-from .options import OPTION, MoeOptions
+from .options import OPTION, SLOTS_NONE, MoeOptions
 from .options import moe_options  # noqa: F401  (the faces' plan.moe_options: planning/options.py's)
 from .sizing import DEFAULT_POLICY, SlotPlan, parse_size, plan_slots, sizes_alike
 
@@ -150,7 +150,7 @@ def planned_batches(batch, moe_slots, given, n_ctx) -> list:
     return [out]
 
 
-def _batched_load(index, batches, plan_with, weigh=True, force=False):
+def _batched_load(index, batches, plan_with, lora_paths, weigh=True, force=False):
     """The load of the largest of `batches` (largest first) whose pools hold within DECODE_NOISE of
     the experts the best plan holds, llama-cpp-python's own micro-batch among them (plan_with({})):
     decided by what decode will read, not by what happened to fit (weigh=False: the first that
@@ -159,8 +159,9 @@ def _batched_load(index, batches, plan_with, weigh=True, force=False):
     force=False)): one the guard refuses is not taken; where every one is refused, the caller's
     force decides (stock's micro-batch, forced, or its refusal). Where stock's micro-batch holds
     every expert, nothing pages and stock's defaults stand; where only a larger one does (its
-    compute buffer is smaller: flash attention), that one is taken."""
-    loads, refused = [], None
+    compute buffer is smaller: flash attention), that one is taken. Candidates are planned without
+    what the load needs besides slots and memory (_finish_load): only the one taken reads it."""
+    stock, loads, refused = None, [], None
     for batch in [{}] + batches:
         try:
             load = plan_with(batch, force=False)
@@ -168,23 +169,29 @@ def _batched_load(index, batches, plan_with, weigh=True, force=False):
             refused = refused if batch else e  # (stock's: what a load without moe_batch would say)
             continue
         if load.plan is None or load.plan.holds_all:  # every expert held: nothing to weigh
-            return _with_batch(load, batch) if batch else load
-        loads.append((batch, load))
-    if not loads:
+            return _with_batch(_finish_load(load, lora_paths), batch)
+        if batch:
+            loads.append((batch, load))
+        else:
+            stock = load
+    if stock is None and not loads:
         if force:
-            return plan_with({}, force=True)
+            return _finish_load(plan_with({}, force=True), lora_paths)
         raise refused if refused is not None else MemoryRefused("no micro-batch fits")
-    best = max(load.estimate.experts_reserved for _, load in loads) if weigh else 0
-    for batch, load in loads[1:] if loads[0][0] == {} else loads:
+    held = [load.estimate.experts_reserved for _, load in loads] + ([stock.estimate.experts_reserved] if stock else [])
+    best = max(held) if weigh else 0
+    for batch, load in loads:
         if best - load.estimate.experts_reserved <= DECODE_NOISE * max(0, index.expert_bytes_total - best):
-            return _with_batch(load, batch)
-    stock = loads[0][1]
+            return _with_batch(_finish_load(load, lora_paths), batch)
     stock.notes.append(f"moe-batch: llama-cpp-python's own micro-batch: calls of {batches[-1]['n_batch']} tokens "
                        "or more would hold fewer experts, and decode would read more")
-    return stock
+    return _finish_load(stock, lora_paths)
 
 
 def _with_batch(load, batch):
+    """`load` with micro-batch `batch` ({}: llama-cpp-python's own, nothing to say)."""
+    if not batch:
+        return load
     load.micro_batch = batch
     load.notes.append(f"moe-batch: prompts in calls of up to {batch['n_batch']} tokens, one micro-batch each"
                       + (" with flash attention" if batch.get("flash_attn") else "") + ": each expert read once "
@@ -320,7 +327,7 @@ def parse_moe_slots(value):
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     text = str(value).strip()
-    if text.lower() in ("", "none", "off", "no", "false", "0"):
+    if text.lower() in SLOTS_NONE:
         return None
     if text.lower() == "auto":
         return "auto"
@@ -337,7 +344,7 @@ def print_notices(lines, verbose=True):
 
 
 def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(), floor=None, force=False,
-              guard=True, available=None, total=None, what=None, address_space=None) -> LoadPlan:
+              guard=True, available=None, total=None, what=None, address_space=None, finish=True) -> LoadPlan:
     """Decide the slots, check memory and gather what the load needs.
 
     moe_slots: None (every expert resident), 'auto', or anything plan_slots takes. 'auto' keeps
@@ -349,7 +356,8 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     (Llama with an explicit moe_slots); force: warn instead of refusing. available: bytes free
     (None: measured); total: bytes the binding limit holds, which elastic "auto" pools may grow
     into (None: the limit measured where available is, else none above available). address_space:
-    bytes that may still be mapped (None: measured, host_memory.address_space_left). Raises guard.MemoryRefused, sizing.SlotsError for
+    bytes that may still be mapped (None: measured, host_memory.address_space_left). finish=False:
+    slots and memory only, without _finish_load (moe_batch's candidates). Raises guard.MemoryRefused, sizing.SlotsError for
     impossible moe_slots, ValueError for bad options, a profile or digests that cannot be used."""
     options = options or MoeOptions()
     given = llama_kwargs or {}
@@ -365,9 +373,9 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
         def plan_with(batch, force):
             return plan_load(index, moe_slots, {**given, **batch}, options=replace(options, batch="stock"),
                              lora_paths=lora_paths, floor=floor, force=force, guard=guard, available=available,
-                             total=total, what=what, address_space=address_space)
+                             total=total, what=what, address_space=address_space, finish=False)
 
-        return _batched_load(index, batches, plan_with, weigh=options.batch == "auto", force=force)
+        return _batched_load(index, batches, plan_with, lora_paths, weigh=options.batch == "auto", force=force)
     notes = []
 
     # pools that give memory back may take more of it: half the floor stays free (the controller's
@@ -396,13 +404,20 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
                     floor=floor, notes=notes, index=index, options=options, layout=layout)
     if layout.warning:
         load.warnings.append(layout.warning)
+    return _finish_load(load, lora_paths) if finish else load
+
+
+def _finish_load(load, lora_paths):
+    """What a planned load needs besides its slots and memory: the sidecar's pools, adapters
+    checked, the warm start and digests read (_fill_pools), the controller."""
+    index, plan, options = load.index, load.plan, load.options
     if plan is None and not (options.trace and index.is_moe):
         return load  # stock: nothing for the sidecar
     load.pools = pool_setup(index, plan, options)
-    load.pools.host_cache = est.host_cache
+    load.pools.host_cache = load.estimate.host_cache
     if plan is not None:  # (else the routing is traced, every expert resident)
         _fill_pools(load, lora_paths)
-        load.controller = _controller(load, kwargs)
+        load.controller = _controller(load, load.estimate.params)
     return load
 
 
