@@ -361,7 +361,9 @@ int empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer *
         return 0; // its reads are done (or were never posted so)
     }
     const uint64_t t0 = empanel_util_now_ns();
+    pthread_mutex_unlock(&pool->lock);
     const int rc = empanel_reader_wait_tensor(pool, tensor);
+    pthread_mutex_lock(&pool->lock);
     const uint64_t waited = empanel_util_now_ns() - t0;
     layer->stats.wait_ns  += waited;
     layer->stats.ready_ns += waited;

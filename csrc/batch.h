@@ -35,7 +35,9 @@ void     empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * l
                            uint64_t stamp);
 // wait until the layer's batch in flight (empanel_batch_post_layer with an order) has landed
 // the experts of one tensor, reading alongside the threads; 0 (also if no such batch is in
-// flight), or -1 if a read of the batch failed
+// flight), or -1 if a read of the batch failed. Called with the pool's lock held, it lets go of
+// the lock while it waits: the controller gives memory back meanwhile (slots of other layers; this
+// layer's are not evictable while its batch is in flight, slots.c)
 int      empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
 // wait for the batch in flight in a lane (reading alongside the threads) and account for it; 0 if
 // there is none or it succeeded, -1 if a read failed (its slots then hold nothing)

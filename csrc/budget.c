@@ -75,6 +75,7 @@ int32_t empanel_pool_set_budget(struct empanel_pool * pool, uint64_t budget_byte
     }
     pthread_mutex_lock(&pool->lock);
     empanel_budget_set_locked(pool, budget_bytes);
+    pool->budget.ceiling_bytes = pool->budget.bytes;
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }
@@ -96,6 +97,11 @@ int32_t empanel_pool_budget(struct empanel_pool * pool, struct empanel_budget_st
     out->reserve_bytes    = pool->pressure.reserve_bytes;
     out->last_shrink_ms   = pool->pressure.last_shrink_ms;
     out->max_shrink_ms    = pool->pressure.max_shrink_ms;
+    out->ceiling_bytes    = pool->budget.ceiling_bytes != 0 ? pool->budget.ceiling_bytes : pool->budget.capacity_bytes;
+    out->n_events         = atomic_load(&pool->pressure.n_events);
+    out->n_unread         = atomic_load(&pool->pressure.n_unread);
+    out->hears_kernel     = pool->pressure.hears_kernel;
+    out->max_lock_wait_ms = pool->pressure.max_lock_wait_ms;
     pthread_mutex_unlock(&pool->lock);
     return 0;
 }

@@ -23,7 +23,7 @@ extern "C" {
 #    define EMPANEL_API __attribute__((visibility("default")))
 #endif
 
-#define EMPANEL_SIDECAR_VERSION 16
+#define EMPANEL_SIDECAR_VERSION 17
 
 // the pool's read settings (struct empanel_pool_params): defaults and bounds, declared once here;
 // Python (empanel_gguf's option table) reads them from this header
@@ -282,6 +282,11 @@ struct empanel_budget_stats {
     uint64_t reserve_bytes;    // the memory it keeps free
     double   last_shrink_ms;   // from reading low memory to the pages given back, last time
     double   max_shrink_ms;    // and at most
+    uint64_t ceiling_bytes;    // the most the controller grows to: the budget the app set, else the capacity
+    uint64_t n_events;         // polls that heard the kernel reclaim in vain in a watched cgroup
+    uint64_t n_unread;         // readings of a memory source that failed (said once on stderr)
+    int32_t  hears_kernel;     // 1: the kernel's reclaim events are heard (cgroup v1 memory.pressure_level)
+    double   max_lock_wait_ms; // of max_shrink_ms: the longest wait for the pool's lock (remaps, reads, preload)
 };
 // move the budget while the pools run (bytes, clamped to [floor, capacity]): a lower one empties
 // the least recently used slots of any layer at once, their pages back to the kernel, but those
@@ -295,19 +300,29 @@ EMPANEL_API int32_t empanel_pool_budget(struct empanel_pool * pool, struct empan
 
 // the controller (pressure.c): a thread that reads the memory the binding limits leave every
 // interval_ms and moves the budget: down at once when less than reserve_bytes is left (by what is
-// missing and half the reserve again), up slowly when more than 1.75 reserves would stay free (2 s
-// after the last move down, then at most every 0.5 s, to leave 1.5 reserves free). Sources, each
-// a file read whole at every poll (up to EMPANEL_MAX_MEMORY_SOURCES):
-//   limit_path, usage_path, stat_path + stat_key: a memory cgroup: left = limit - usage + the
-//     stat's key (page cache the kernel reclaims first); a limit of "max" or above 2^60: none
+// missing and half the reserve again) or when the kernel reclaims in vain in a watched cgroup (by
+// the reserve, then 1.5 times the last step at each further event within 1 s); up slowly when
+// more than 1.75 reserves would stay free (2 s after the last move down, then at most every
+// 0.5 s, to leave 1.5 reserves free; never above a budget empanel_pool_set_budget set). Sources,
+// each a file read whole at every poll (up to EMPANEL_MAX_MEMORY_SOURCES):
+//   limit_path, high_path, usage_path, stat_path + stat_key: a memory cgroup: left = the lower
+//     limit - usage + the stat's key (page cache the kernel reclaims first); a limit of "max" or
+//     of EMPANEL_MEMORY_NO_LIMIT and above: none (a limit set later is read at the next poll);
+//     events_path: its memory.pressure_level (v1), where critical reclaim is heard
 //   available_path + available_key: a "Key: value [kB]" file (/proc/meminfo, MemAvailable)
-// Unused paths are NULL or "". The least any source leaves counts. 0, or -1 with why in err.
-#define EMPANEL_MAX_MEMORY_SOURCES 4
+// Unused paths are NULL or "". The least any source leaves counts; a source that cannot be opened
+// or read is left out (said on stderr, counted in n_unread). 0, or -1 with why in err (none could
+// be opened; a reserve of 0 or above EMPANEL_MAX_RESERVE_BYTES).
+#define EMPANEL_MAX_MEMORY_SOURCES 8
+#define EMPANEL_MEMORY_NO_LIMIT 1152921504606846976 // 2^60 bytes or more: no limit (v1 writes 2^63 - 4096)
+#define EMPANEL_MAX_RESERVE_BYTES 1125899906842624  // 2^50: the most a controller keeps free
 struct empanel_memory_source {
     const char * limit_path;
+    const char * high_path;       // cgroup v2 memory.high: a second limit, the lower binds (or NULL)
     const char * usage_path;
     const char * stat_path;
     const char * stat_key;
+    const char * events_path;     // cgroup v1 memory.pressure_level: the kernel's reclaim heard (or NULL)
     const char * available_path;
     const char * available_key;
 };

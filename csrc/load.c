@@ -133,8 +133,10 @@ static int load_watch_memory(struct empanel_load * load, char * err, size_t err_
         const struct empanel_plan_memory * m = &load->plan.memory[i];
         sources[i] = (struct empanel_memory_source) {
             .limit_path     = m->path[PLAN_MEMORY_LIMIT],
+            .high_path      = m->path[PLAN_MEMORY_HIGH],
             .usage_path     = m->path[PLAN_MEMORY_USAGE],
             .stat_path      = m->path[PLAN_MEMORY_STAT],
+            .events_path    = m->path[PLAN_MEMORY_EVENTS],
             .stat_key       = m->stat_key,
             .available_path = m->path[PLAN_MEMORY_AVAILABLE],
             .available_key  = m->available_key,

@@ -27,8 +27,9 @@
 //   elastic <reserve_bytes> <interval_ms>         optional: the controller moves the budget with the
 //                                                 memory left (pressure.c); absent: it stays
 //   memory <source> <role> <key|-> <path>         optional: a file the controller reads; source
-//                                                 0..3, role limit|usage|stat|available (stat and
-//                                                 available name the key read in the file)
+//                                                 0..EMPANEL_MAX_MEMORY_SOURCES-1, role limit|high|
+//                                                 usage|stat|events|available (stat and available
+//                                                 name the key read in the file)
 //   stats <path>                                  JSON lines, one object per load, at its end
 //   end
 
@@ -385,13 +386,21 @@ static enum record_result parse_digests(struct plan_reader * r, struct empanel_p
 // elastic RESERVE INTERVAL_MS
 static enum record_result parse_elastic(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
     plan->elastic = 1;
-    return field_u64(r, &plan->reserve_bytes, 10) != 0 || field_i32(r, &plan->interval_ms, 1, 60000) != 0
-           ? RECORD_BAD : RECORD_FIXED;
+    if (field_u64(r, &plan->reserve_bytes, 10) != 0 || field_i32(r, &plan->interval_ms, 1, 60000) != 0) {
+        return RECORD_BAD;
+    }
+    if (plan->reserve_bytes == 0 || plan->reserve_bytes > EMPANEL_MAX_RESERVE_BYTES) {
+        empanel_util_format_err(err, err_size, "%s:%d: a reserve of %llu bytes: the memory the controller keeps "
+                                "free lies in 1 .. %llu", r->path, r->line_no, (unsigned long long) plan->reserve_bytes,
+                                (unsigned long long) EMPANEL_MAX_RESERVE_BYTES);
+        return RECORD_FAILED;
+    }
+    return RECORD_FIXED;
 }
 
 // memory SOURCE ROLE KEY PATH
 static enum record_result parse_memory(struct plan_reader * r, struct empanel_plan * plan, char * err, size_t err_size) {
-    static const char * roles[PLAN_MEMORY_ROLES] = { "limit", "usage", "stat", "available" };
+    static const char * roles[PLAN_MEMORY_ROLES] = { "limit", "high", "usage", "stat", "events", "available" };
     int32_t source = 0;
     if (field_i32(r, &source, 0, EMPANEL_MAX_MEMORY_SOURCES - 1) != 0) {
         return RECORD_BAD;

@@ -21,7 +21,10 @@ struct empanel_plan_digests {
 
 // one source of the memory left, as the controller reads it (pressure.c): the files of a memory
 // cgroup, or a meminfo-style file (struct empanel_memory_source)
-enum empanel_plan_memory_role { PLAN_MEMORY_LIMIT, PLAN_MEMORY_USAGE, PLAN_MEMORY_STAT, PLAN_MEMORY_AVAILABLE, PLAN_MEMORY_ROLES };
+enum empanel_plan_memory_role {
+    PLAN_MEMORY_LIMIT, PLAN_MEMORY_HIGH, PLAN_MEMORY_USAGE, PLAN_MEMORY_STAT, PLAN_MEMORY_EVENTS, PLAN_MEMORY_AVAILABLE,
+    PLAN_MEMORY_ROLES
+};
 struct empanel_plan_memory {
     char * path[PLAN_MEMORY_ROLES];  // strdup'd, NULL: not read
     char   stat_key[64];

@@ -27,6 +27,45 @@ static int32_t next_preload_expert(const struct empanel_pool * pool, const struc
     return -1;
 }
 
+// the most one hold of the pool's lock reads in a preload: between such chunks the controller
+// (pressure.c) and /metrics get the lock, so a move down waits for one chunk, not the preload
+// (a 48-layer model's layer of 68 slots is ~200 MiB: ~150 ms at 1.3 GB/s)
+#define PRELOAD_CHUNK_BYTES (32ull << 20)
+
+// read layer->tables.misses/victims [0, n) (in file order) in chunks of PRELOAD_CHUNK_BYTES, letting
+// go of the pool's lock between them; the layer's slots stay while it does (its waves count as
+// open: not evictable, slots.c). 0, or -1 (a read failed: the unread slots leave the budget too)
+static int read_in_chunks(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n) {
+    const uint64_t per_bytes = PRELOAD_CHUNK_BYTES / layer->expert_bytes;
+    const int32_t  per       = per_bytes < 1 ? 1 : per_bytes < (uint64_t) n ? (int32_t) per_bytes : n;
+    int32_t * picked = per < n ? malloc(2 * sizeof(int32_t) * (size_t) n) : NULL;
+    if (picked == NULL) {
+        return empanel_batch_fill_slots(pool, layer, n); // (one chunk, or no memory to split it)
+    }
+    struct empanel_tables * tb = &layer->tables;
+    memcpy(picked, tb->misses, sizeof(int32_t) * (size_t) n);
+    memcpy(picked + n, tb->victims, sizeof(int32_t) * (size_t) n);
+    layer->waves.open = 1;
+    int rc = 0;
+    for (int32_t at = 0; at < n && rc == 0; at += per) {
+        const int32_t c = per < n - at ? per : n - at;
+        memcpy(tb->misses, picked + at, sizeof(int32_t) * (size_t) c);
+        memcpy(tb->victims, picked + n + at, sizeof(int32_t) * (size_t) c);
+        rc = empanel_batch_fill_slots(pool, layer, c);
+        if (rc != 0) {
+            pool->budget.resident_bytes -= (uint64_t) (n - at - c) * layer->expert_bytes;
+        } else if (at + c < n) {
+            pthread_mutex_unlock(&pool->lock);
+            pthread_mutex_lock(&pool->lock);
+        }
+    }
+    layer->waves.open = 0;
+    memcpy(tb->misses, picked, sizeof(int32_t) * (size_t) n);
+    memcpy(tb->victims, picked + n, sizeof(int32_t) * (size_t) n);
+    free(picked);
+    return rc;
+}
+
 // up to max_fill of one layer's empty slots, filled with the experts it lacks (its preload order
 // first, then the lowest ids), read in file order; the experts read
 static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * layer, int32_t max_fill) {
@@ -60,7 +99,7 @@ static int32_t preload_layer(struct empanel_pool * pool, struct empanel_layer * 
     }
     pool->call += (uint64_t) n;
     empanel_slots_sort_file_order(layer, n);
-    if (n > 0 && empanel_batch_fill_slots(pool, layer, n) != 0) {
+    if (n > 0 && read_in_chunks(pool, layer, n) != 0) {
         return -1;
     }
     // the recency list of all layers in the same order, least recent first
@@ -141,6 +180,11 @@ int64_t empanel_preload(struct empanel_pool * pool) {
         }
         const int32_t n = preload_layer(pool, layer, max_fill);
         n_read = n < 0 ? -1 : n_read + n;
+        if (pool->budget.resident_bytes > pool->budget.bytes) {
+            empanel_slots_shrink(pool); // a budget moved down while the layer was read
+        }
+        pthread_mutex_unlock(&pool->lock); // (between layers too)
+        pthread_mutex_lock(&pool->lock);
     }
     pthread_mutex_unlock(&pool->lock);
     return n_read;

@@ -2,56 +2,71 @@
 // memory the binding limits leave every interval and moves the live budget (budget.c):
 //
 //   left < reserve                    down at once: budget = resident - (reserve - left) - reserve / 2
+//   the kernel reclaims in vain       down at once by a step: the reserve, 1.5 times the last step
+//                                     at each further event within 1 s (cgroup v1
+//                                     memory.pressure_level, "critical": the group's reclaim finds
+//                                     little to take; doubling overshot to the floor on the 48-layer
+//                                     model, 60 % -> 40 % of the file)
 //   left > 1.75 reserves + promised   up, 2 s after the last move down and 0.5 s after the last move
-//                                     up: to leave 1.5 reserves free once the budget is filled
-//                                     (promised: budget not yet filled, which reads will take)
+//                                     up, to leave 1.5 reserves free once the budget is filled
+//                                     (promised: budget not yet filled, which reads will take), never
+//                                     above a budget the app set (empanel_pool_set_budget)
 //
-// so moves down and up both leave 1.5 reserves free, and the budget does not swing: the next move
+// so moves down and up both leave 1.5 reserves free and the budget does not swing: the next move
 // down needs another half of the reserve taken by someone else, the next move up a quarter of it
-// freed. (With up to 1.125 reserves, page cache and buffers coming and going moved the 12-layer
-// bench model's budget 4-5 times down and 9-11 up in a 64-token decode, each move down evicting
-// experts read moments before.) Which files tell
-// the memory left is decided by the planner (empanel_gguf/planning/host_memory.py, the one
-// definition); here they are read as told: a cgroup's limit - usage + reclaimable page cache, or
-// a meminfo-style key. Each file stays open and is read again from offset 0 at every poll (a few
-// microseconds; cgroup and proc files regenerate on each read).
+// freed (docs/reliability.md has what narrower bands did). The events are how a limit lowered
+// under what the group holds gets through: cgroup v1 refuses such a write (EBUSY) after one
+// reclaim pass and leaves the limit file as it was, so no reading of the files sees it, but the
+// pass is heard; the writer's next try succeeds once the pools gave back. Which files tell the
+// memory left is decided by the planner (empanel_gguf/planning/host_memory.py, the one
+// definition); here they are read as told: a cgroup's lower limit (max, high) - usage + reclaimable
+// page cache, or a meminfo-style key. Each file stays open and is read again from offset 0 at
+// every poll (a few microseconds; cgroup and proc files regenerate on each read). A source whose
+// files cannot be opened or read is skipped, said once on stderr and counted (n_unread).
 
 #include "pressure.h"
 #include "budget.h"
 #include "state.h"
 #include "util.h"
 
+#include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #define PRESSURE_GROW_AFTER_SHRINK_NS 2000000000ull // no move up within 2 s of a move down
 #define PRESSURE_GROW_EVERY_NS         500000000ull // moves up at most every 0.5 s
-#define PRESSURE_NO_LIMIT             (1ull << 60)  // cgroup v1 writes 2^63 - 4096 for none
+#define PRESSURE_EVENT_STREAK_NS      1000000000ull // events within 1 s of the last cut double the step
 
 // several elastic pools in one process (two models) read the same memory: after one moves its
 // budget, the others wait for a fresh reading (two polls) instead of cutting for the same deficit
 static atomic_ullong g_last_move_ns = 0;
 
 struct watched_source {
-    int  limit_fd, usage_fd, stat_fd, available_fd;  // -1: not read
+    int  limit_fd, high_fd, usage_fd, stat_fd, available_fd;  // -1: not read
+    int  event_fd;    // an eventfd the kernel signals at critical reclaim in the cgroup; -1: none
+    int  level_fd;    // the memory.pressure_level it is registered on (open while registered)
+    int  unread;      // 1 while a file of it cannot be read (said once)
     char stat_key[64];
     char available_key[64];
+    char name[256];   // the limit or available file, for notices
 };
 
 struct empanel_watch {
     struct empanel_pool  * pool;
     pthread_t              thread;
-    pthread_mutex_t        lock;       // guards stop (the thread waits on wake between polls)
-    pthread_cond_t         wake;
-    int                    stop;
+    int                    stop_fd;    // an eventfd: written once to stop the thread
     int64_t                interval_ns;
     int32_t                n_sources;
+    uint64_t               last_shrink_ns, last_grow_ns;
+    uint64_t               last_event_ns, event_step;  // the last cut for kernel events, its size
     struct watched_source  sources[EMPANEL_MAX_MEMORY_SOURCES];
 };
 
@@ -117,28 +132,48 @@ static int read_keyed(int fd, const char * key, uint64_t * out) {
     return -1;
 }
 
-// what one source leaves (UINT64_MAX: no limit, or unreadable)
-static uint64_t source_left(const struct watched_source * s) {
+// what one source leaves into *left (UINT64_MAX: no limit now); 0, or -1 if a file of it cannot be
+// read (or was never opened)
+static int source_left(const struct watched_source * s, uint64_t * left) {
     uint64_t v = 0;
+    *left = UINT64_MAX;
     if (s->available_fd >= 0) {
-        return read_keyed(s->available_fd, s->available_key, &v) == 0 ? v : UINT64_MAX;
+        if (read_keyed(s->available_fd, s->available_key, &v) != 0) {
+            return -1;
+        }
+        *left = v;
+        return 0;
     }
-    uint64_t limit = 0, usage = 0, reclaimable = 0;
-    if (s->limit_fd < 0 || s->usage_fd < 0 || read_number(s->limit_fd, &limit) != 0 || limit >= PRESSURE_NO_LIMIT ||
-        read_number(s->usage_fd, &usage) != 0) {
-        return UINT64_MAX;
+    uint64_t limit = 0, high = UINT64_MAX, usage = 0, reclaimable = 0;
+    if (s->limit_fd < 0 || s->usage_fd < 0 || read_number(s->limit_fd, &limit) != 0 ||
+        (s->high_fd >= 0 && read_number(s->high_fd, &high) != 0) || read_number(s->usage_fd, &usage) != 0) {
+        return -1;
+    }
+    limit = high < limit ? high : limit;
+    if (limit >= EMPANEL_MEMORY_NO_LIMIT) {
+        return 0;
     }
     if (s->stat_fd >= 0 && read_keyed(s->stat_fd, s->stat_key, &reclaimable) != 0) {
         reclaimable = 0;
     }
     const uint64_t used = usage > reclaimable ? usage - reclaimable : 0;
-    return limit > used ? limit - used : 0;
+    *left = limit > used ? limit - used : 0;
+    return 0;
 }
 
-static uint64_t sources_left(const struct watched_source * sources, int32_t n) {
+// the least the sources leave (UINT64_MAX: no limit, or none readable); sources that cannot be read
+// are counted in *n_unread and said once each
+static uint64_t sources_left(struct watched_source * sources, int32_t n, uint64_t * n_unread) {
     uint64_t least = UINT64_MAX;
     for (int32_t i = 0; i < n; i++) {
-        const uint64_t v = source_left(&sources[i]);
+        uint64_t v = UINT64_MAX;
+        const int bad = source_left(&sources[i], &v) != 0;
+        if (bad && !sources[i].unread) {
+            fprintf(stderr, "empanel: moe_elastic: cannot read %s (memory source %d): the controller goes on with "
+                    "the others\n", sources[i].name, i);
+        }
+        sources[i].unread = bad;
+        *n_unread += (uint64_t) bad;
         least = v < least ? v : least;
     }
     return least;
@@ -148,122 +183,222 @@ static int open_if(const char * path) {
     return path != NULL && path[0] != '\0' ? open(path, O_RDONLY | O_CLOEXEC) : -1;
 }
 
-static void close_sources(struct watched_source * sources, int32_t n) {
-    for (int32_t i = 0; i < n; i++) {
-        const int fds[4] = { sources[i].limit_fd, sources[i].usage_fd, sources[i].stat_fd, sources[i].available_fd };
-        for (int j = 0; j < 4; j++) {
-            if (fds[j] >= 0) {
-                close(fds[j]);
-            }
-        }
+static void close_if(int fd) {
+    if (fd >= 0) {
+        close(fd);
     }
 }
 
-// the sources opened into out [n]; 0, or -1 with why in err (a named file that cannot be opened)
-static int open_sources(const struct empanel_memory_source * in, int32_t n, struct watched_source * out,
-                        char * err, size_t err_size) {
+static void close_source(struct watched_source * s) {
+    const int fds[7] = { s->limit_fd, s->high_fd, s->usage_fd, s->stat_fd, s->available_fd, s->event_fd, s->level_fd };
+    for (int j = 0; j < 7; j++) {
+        close_if(fds[j]);
+    }
+}
+
+static void close_sources(struct watched_source * sources, int32_t n) {
     for (int32_t i = 0; i < n; i++) {
-        struct watched_source * s = &out[i];
+        close_source(&sources[i]);
+    }
+}
+
+// cgroup v1: an eventfd the kernel signals when reclaim in the group of `level_path`
+// (memory.pressure_level) is critical, registered through the cgroup.event_control beside it.
+// Nothing where that cannot be done (not permitted: a read-only cgroup mount): the controller then
+// hears the group only through its files
+static void listen_to_kernel(struct watched_source * s, const char * level_path) {
+    s->event_fd = s->level_fd = -1;
+    const char * slash = level_path != NULL ? strrchr(level_path, '/') : NULL;
+    if (slash == NULL || (size_t) (slash - level_path) + sizeof("/cgroup.event_control") > 4096) {
+        return;
+    }
+    char control_path[4096];
+    snprintf(control_path, sizeof(control_path), "%.*s/cgroup.event_control", (int) (slash - level_path), level_path);
+    s->level_fd = open(level_path, O_RDONLY | O_CLOEXEC);
+    s->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    const int control = open(control_path, O_WRONLY | O_CLOEXEC);
+    char line[64];
+    const int len = snprintf(line, sizeof(line), "%d %d critical", s->event_fd, s->level_fd);
+    const int ok = s->level_fd >= 0 && s->event_fd >= 0 && control >= 0 && write(control, line, (size_t) len) == len;
+    close_if(control);
+    if (!ok) {
+        close_if(s->event_fd);
+        close_if(s->level_fd);
+        s->event_fd = s->level_fd = -1;
+    }
+}
+
+// the sources opened into out [*n_open]: a source whose files cannot be opened is left out, said
+// on stderr; 0, or -1 with why in err where none could be opened
+static int open_sources(const struct empanel_memory_source * in, int32_t n, struct watched_source * out,
+                        int32_t * n_open, int events, char * err, size_t err_size) {
+    *n_open = 0;
+    for (int32_t i = 0; i < n; i++) {
+        struct watched_source * s = &out[*n_open];
+        memset(s, 0, sizeof(*s));
         s->limit_fd     = open_if(in[i].limit_path);
+        s->high_fd      = open_if(in[i].high_path);
         s->usage_fd     = open_if(in[i].usage_path);
         s->stat_fd      = open_if(in[i].stat_path);
         s->available_fd = open_if(in[i].available_path);
+        s->event_fd     = s->level_fd = -1;
         snprintf(s->stat_key, sizeof(s->stat_key), "%s", in[i].stat_key != NULL ? in[i].stat_key : "");
         snprintf(s->available_key, sizeof(s->available_key), "%s", in[i].available_key != NULL ? in[i].available_key : "");
         const int want_cgroup = in[i].limit_path != NULL && in[i].limit_path[0] != '\0';
-        const int ok = want_cgroup ? s->limit_fd >= 0 && s->usage_fd >= 0 : s->available_fd >= 0;
+        const char * named = want_cgroup ? in[i].limit_path : in[i].available_path != NULL ? in[i].available_path : "(no file named)";
+        snprintf(s->name, sizeof(s->name), "%s", named);
+        const int ok = want_cgroup ? s->limit_fd >= 0 && s->usage_fd >= 0 &&
+                                     (in[i].high_path == NULL || in[i].high_path[0] == '\0' || s->high_fd >= 0)
+                                   : s->available_fd >= 0;
         if (!ok) {
-            empanel_util_format_err(err, err_size, "memory source %d: cannot open %s", i,
-                                    want_cgroup ? (s->limit_fd < 0 ? in[i].limit_path : in[i].usage_path)
-                                                : (in[i].available_path != NULL ? in[i].available_path : "(no file named)"));
-            close_sources(out, i + 1);
-            return -1;
+            const char * missing = !want_cgroup ? named : s->limit_fd < 0 ? in[i].limit_path
+                                 : s->usage_fd < 0 ? in[i].usage_path : in[i].high_path;
+            if (events) {
+                fprintf(stderr, "empanel: moe_elastic: cannot open %s (memory source %d): the controller watches the "
+                        "others\n", missing, i);
+            }
+            empanel_util_format_err(err, err_size, "memory source %d: cannot open %s", i, missing);
+            close_source(s);
+            continue;
         }
+        if (events && in[i].events_path != NULL && in[i].events_path[0] != '\0') {
+            listen_to_kernel(s, in[i].events_path);
+        }
+        (*n_open)++;
     }
-    return 0;
+    return *n_open > 0 ? 0 : -1;
 }
 
 uint64_t empanel_memory_available(const struct empanel_memory_source * sources, int32_t n_sources) {
     struct watched_source opened[EMPANEL_MAX_MEMORY_SOURCES];
     char err[256];
+    int32_t n_open = 0;
     if (n_sources <= 0 || n_sources > EMPANEL_MAX_MEMORY_SOURCES ||
-        open_sources(sources, n_sources, opened, err, sizeof(err)) != 0) {
+        open_sources(sources, n_sources, opened, &n_open, 0, err, sizeof(err)) != 0) {
         return UINT64_MAX;
     }
-    const uint64_t left = sources_left(opened, n_sources);
-    close_sources(opened, n_sources);
-    return left;
+    uint64_t n_unread = 0;
+    const uint64_t left = n_open == n_sources ? sources_left(opened, n_open, &n_unread) : UINT64_MAX;
+    close_sources(opened, n_open);
+    return n_unread == 0 ? left : UINT64_MAX;
 }
 
 // ------------------------------------------------------------------------------------------------
 // the thread
 
-// one poll: the budget moved as the memory left says
-static void poll_once(struct empanel_watch * w, uint64_t * last_shrink_ns, uint64_t * last_grow_ns) {
-    struct empanel_pool * pool = w->pool;
-    const uint64_t now  = empanel_util_now_ns();
-    const uint64_t left = sources_left(w->sources, w->n_sources);
-    atomic_store(&pool->pressure.available_bytes, left);
-    if (left == UINT64_MAX) {
-        return;
+// whether the kernel signalled critical reclaim in a watched cgroup since the last poll (the
+// counters drained)
+static int kernel_reclaims(struct watched_source * sources, int32_t n) {
+    int heard = 0;
+    for (int32_t i = 0; i < n; i++) {
+        uint64_t count = 0;
+        if (sources[i].event_fd >= 0 && read(sources[i].event_fd, &count, sizeof(count)) == (ssize_t) sizeof(count)) {
+            heard |= count > 0;
+        }
     }
-    const uint64_t reserve = pool->pressure.reserve_bytes;
-    if (left >= reserve && left <= reserve + 3 * reserve / 4) {
-        return; // the band where nothing moves: no lock taken
+    return heard;
+}
+
+// the budget down to target (with the lock held), counted as a shrink that took from `since`
+static void shrink_locked(struct empanel_watch * w, uint64_t target, uint64_t since) {
+    struct empanel_pool * pool = w->pool;
+    empanel_budget_set_locked(pool, target);
+    const uint64_t now = empanel_util_now_ns();
+    const double   ms  = (double) (now - since) / 1e6;
+    pool->pressure.n_shrinks++;
+    pool->pressure.last_shrink_ms = ms;
+    pool->pressure.max_shrink_ms  = ms > pool->pressure.max_shrink_ms ? ms : pool->pressure.max_shrink_ms;
+    w->last_shrink_ns = since;
+    atomic_store(&g_last_move_ns, since);
+}
+
+// one poll: the budget moved as the memory left and the kernel's events say
+static void poll_once(struct empanel_watch * w) {
+    struct empanel_pool * pool = w->pool;
+    const uint64_t now      = empanel_util_now_ns();
+    uint64_t       n_unread = 0;
+    const uint64_t left     = sources_left(w->sources, w->n_sources, &n_unread);
+    const int      heard    = kernel_reclaims(w->sources, w->n_sources);
+    const uint64_t reserve  = pool->pressure.reserve_bytes;
+    atomic_store(&pool->pressure.available_bytes, left);
+    atomic_fetch_add(&pool->pressure.n_unread, n_unread);
+    // events within a poll of the last cut were raised before its pages went back
+    const int reclaim = heard && now - w->last_shrink_ns >= (uint64_t) w->interval_ns;
+    if (heard) {
+        atomic_fetch_add(&pool->pressure.n_events, 1);
+    }
+    if (!reclaim && (left == UINT64_MAX || (left >= reserve && left - reserve <= 3 * (reserve / 4)))) {
+        return; // no limit, or the band where nothing moves: no lock taken
     }
     const uint64_t moved = atomic_load(&g_last_move_ns);
-    if (moved != 0 && now - moved < 2 * (uint64_t) w->interval_ns && moved != *last_shrink_ns && moved != *last_grow_ns) {
+    if (!reclaim && moved != 0 && moved + 2 * (uint64_t) w->interval_ns > now && moved != w->last_shrink_ns &&
+        moved != w->last_grow_ns) {
         return; // another pool of this process just moved: its pages are not in this reading yet
     }
-    if (left >= reserve) {
+    const int shrink = reclaim || left < reserve;
+    if (!shrink) {
         if (pthread_mutex_trylock(&pool->lock) != 0) {
             return; // a remap runs: a move up waits for the next poll, never the decode for it
         }
     } else {
         pthread_mutex_lock(&pool->lock);
+        const double waited = (double) (empanel_util_now_ns() - now) / 1e6;
+        pool->pressure.max_lock_wait_ms = waited > pool->pressure.max_lock_wait_ms ? waited : pool->pressure.max_lock_wait_ms;
     }
     const uint64_t budget   = pool->budget.bytes;
     const uint64_t resident = pool->budget.resident_bytes;
     const uint64_t promised = budget > resident ? budget - resident : 0;
-    if (left < reserve) {
-        const uint64_t cut    = reserve - left + reserve / 2;
+    const uint64_t ceiling  = pool->budget.ceiling_bytes != 0 ? pool->budget.ceiling_bytes : pool->budget.capacity_bytes;
+    if (shrink) {
+        uint64_t cut = left < reserve ? reserve - left + reserve / 2 : 0;
+        if (reclaim) {
+            const uint64_t most = resident > reserve ? resident : reserve;
+            w->event_step    = now - w->last_event_ns >= PRESSURE_EVENT_STREAK_NS ? reserve
+                             : w->event_step + w->event_step / 2 < most ? w->event_step + w->event_step / 2 : most;
+            w->last_event_ns = now;
+            cut = w->event_step > cut ? w->event_step : cut;
+        }
         const uint64_t target = resident > cut ? resident - cut : 0;
         if (target < budget && budget > pool->budget.floor_bytes) {
-            empanel_budget_set_locked(pool, target);
-            const double ms = (double) (empanel_util_now_ns() - now) / 1e6;
-            pool->pressure.n_shrinks++;
-            pool->pressure.last_shrink_ms = ms;
-            pool->pressure.max_shrink_ms  = ms > pool->pressure.max_shrink_ms ? ms : pool->pressure.max_shrink_ms;
-            *last_shrink_ns = now;
-            atomic_store(&g_last_move_ns, now);
+            shrink_locked(w, target, now);
         }
-    } else if (left > promised + reserve + 3 * reserve / 4 && budget < pool->budget.capacity_bytes &&
-               now - *last_shrink_ns >= PRESSURE_GROW_AFTER_SHRINK_NS && now - *last_grow_ns >= PRESSURE_GROW_EVERY_NS) {
-        empanel_budget_set_locked(pool, budget + (left - promised - reserve - reserve / 2));
+    } else if (left > reserve && left - reserve > promised + 3 * (reserve / 4) && budget < ceiling &&
+               now - w->last_shrink_ns >= PRESSURE_GROW_AFTER_SHRINK_NS && now - w->last_grow_ns >= PRESSURE_GROW_EVERY_NS) {
+        const uint64_t up = left - reserve - promised - reserve / 2;
+        empanel_budget_set_locked(pool, budget + up < ceiling ? budget + up : ceiling);
         pool->pressure.n_grows++;
-        *last_grow_ns = now;
+        w->last_grow_ns = now;
         atomic_store(&g_last_move_ns, now);
     }
     pthread_mutex_unlock(&pool->lock);
 }
 
-static void * watch_main(void * arg) {
-    struct empanel_watch * w = arg;
-    uint64_t last_shrink_ns = 0, last_grow_ns = 0;
-    pthread_mutex_lock(&w->lock);
-    while (!w->stop) {
-        pthread_mutex_unlock(&w->lock);
-        poll_once(w, &last_shrink_ns, &last_grow_ns);
-        pthread_mutex_lock(&w->lock);
-        struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        const int64_t ns = until.tv_nsec + w->interval_ns;
-        until.tv_sec  += ns / 1000000000;
-        until.tv_nsec  = ns % 1000000000;
-        while (!w->stop && pthread_cond_timedwait(&w->wake, &w->lock, &until) == 0) {
+// the next poll's time: the interval, or sooner when the kernel signals (or stop_fd is written)
+static void wait_for_poll(struct empanel_watch * w) {
+    struct pollfd fds[1 + EMPANEL_MAX_MEMORY_SOURCES];
+    nfds_t n = 0;
+    fds[n++] = (struct pollfd) { .fd = w->stop_fd, .events = POLLIN };
+    for (int32_t i = 0; i < w->n_sources; i++) {
+        if (w->sources[i].event_fd >= 0) {
+            fds[n++] = (struct pollfd) { .fd = w->sources[i].event_fd, .events = POLLIN };
         }
     }
-    pthread_mutex_unlock(&w->lock);
+    const int ms = (int) (w->interval_ns / 1000000);
+    while (poll(fds, n, ms) < 0 && errno == EINTR) {
+    }
+}
+
+static int stopped(const struct empanel_watch * w) {
+    struct pollfd p = { .fd = w->stop_fd, .events = POLLIN };
+    return poll(&p, 1, 0) > 0;
+}
+
+static void * watch_main(void * arg) {
+    struct empanel_watch * w = arg;
+    while (!stopped(w)) {
+        poll_once(w);
+        wait_for_poll(w);
+    }
     return NULL;
 }
 
@@ -300,9 +435,12 @@ int32_t empanel_pool_watch_memory(struct empanel_pool * pool, const struct empan
         empanel_util_format_err(err, err_size, "the memory is watched already");
         return -1;
     }
-    if (n_sources <= 0 || n_sources > EMPANEL_MAX_MEMORY_SOURCES || interval_ms <= 0) {
-        empanel_util_format_err(err, err_size, "watching memory: %d sources (1 to %d), every %d ms", n_sources,
-                                EMPANEL_MAX_MEMORY_SOURCES, interval_ms);
+    if (n_sources <= 0 || n_sources > EMPANEL_MAX_MEMORY_SOURCES || interval_ms <= 0 || interval_ms > 60000 ||
+        reserve_bytes == 0 || reserve_bytes > EMPANEL_MAX_RESERVE_BYTES) {
+        empanel_util_format_err(err, err_size, "watching memory: %d sources (1 to %d), every %d ms (1 to 60000), "
+                                "keeping %llu bytes free (1 to %llu)", n_sources, EMPANEL_MAX_MEMORY_SOURCES,
+                                interval_ms, (unsigned long long) reserve_bytes,
+                                (unsigned long long) EMPANEL_MAX_RESERVE_BYTES);
         return -1;
     }
     struct empanel_watch * w = calloc(1, sizeof(*w));
@@ -312,24 +450,24 @@ int32_t empanel_pool_watch_memory(struct empanel_pool * pool, const struct empan
     }
     w->pool        = pool;
     w->interval_ns = (int64_t) interval_ms * 1000000;
-    w->n_sources   = n_sources;
-    if (open_sources(sources, n_sources, w->sources, err, err_size) != 0) {
+    w->stop_fd     = eventfd(0, EFD_CLOEXEC);
+    if (w->stop_fd < 0 || open_sources(sources, n_sources, w->sources, &w->n_sources, 1, err, err_size) != 0) {
+        if (w->stop_fd < 0) {
+            empanel_util_format_err(err, err_size, "watching memory: no eventfd (%s)", strerror(errno));
+        }
+        close_if(w->stop_fd);
         free(w);
         return -1;
     }
-    pthread_mutex_init(&w->lock, NULL);
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->wake, &attr);
-    pthread_condattr_destroy(&attr);
     pool->pressure.reserve_bytes = reserve_bytes;
+    for (int32_t i = 0; i < w->n_sources; i++) {
+        pool->pressure.hears_kernel |= w->sources[i].event_fd >= 0;
+    }
     pools_without_huge_pages(pool);
     if (pthread_create(&w->thread, NULL, watch_main, w) != 0) {
         empanel_util_format_err(err, err_size, "watching memory: no thread");
-        close_sources(w->sources, n_sources);
-        pthread_cond_destroy(&w->wake);
-        pthread_mutex_destroy(&w->lock);
+        close_sources(w->sources, w->n_sources);
+        close(w->stop_fd);
         free(w);
         return -1;
     }
@@ -344,14 +482,12 @@ void empanel_pressure_stop(struct empanel_pool * pool) {
     if (w == NULL) {
         return;
     }
-    pthread_mutex_lock(&w->lock);
-    w->stop = 1;
-    pthread_cond_signal(&w->wake);
-    pthread_mutex_unlock(&w->lock);
+    const uint64_t one = 1;
+    while (write(w->stop_fd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
     pthread_join(w->thread, NULL);
     close_sources(w->sources, w->n_sources);
-    pthread_cond_destroy(&w->wake);
-    pthread_mutex_destroy(&w->lock);
+    close(w->stop_fd);
     free(w);
     pool->pressure.watch = NULL;
 }

@@ -106,13 +106,25 @@ static uint64_t start_batch(struct empanel_pool * pool, struct empanel_layer * l
     }
     const uint64_t call = ++pool->call;
     pool->budget.busy_call = call; // its slots are the ones the graph reads until the next remap
-    if (pool->budget.resident_bytes > pool->budget.bytes) {
-        empanel_slots_shrink(pool); // what a shrink had to leave (busy then) goes now
-    }
     if (pool->trace.on && empanel_trace_call(pool, il, expert_ids, ids_row_stride, n_used, n_tokens) != 0) {
         return 0;
     }
     return call;
+}
+
+// what a shrink had to leave (busy then) goes now, but the slots of the micro-batch's n distinct
+// experts that are resident: marked as this call's first, so that no hit is evicted and read again
+static void shrink_sparing_hits(struct empanel_pool * pool, struct empanel_layer * layer, uint64_t call, int32_t n) {
+    if (pool->budget.resident_bytes <= pool->budget.bytes) {
+        return;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t s = layer->tables.slot_of[layer->tables.distinct[i]];
+        if (s >= 0) {
+            layer->tables.call_mark[s] = call;
+        }
+    }
+    empanel_slots_shrink(pool);
 }
 
 // the distinct experts of a micro-batch in order of first use, into layer->tables.distinct; their
@@ -298,6 +310,9 @@ static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_
     layer->ready.seen  = 0;
     layer->ready.next  = 0;
     const int32_t n = collect_distinct(pool, layer, il, call, expert_ids, ids_row_stride, n_used, n_tokens);
+    if (n >= 0) {
+        shrink_sparing_hits(pool, layer, call, n);
+    }
     if (n < 0 || resolve_one_wave(pool, layer, il, call, n, 1) != 0) {
         return -1;
     }
@@ -377,6 +392,7 @@ static int plan_batch_waves(struct empanel_pool * pool, struct empanel_layer * l
     if (n < 0) {
         return -1;
     }
+    shrink_sparing_hits(pool, layer, call, n);
     layer->waves.open        = 1; // from here on the tables describe the plan's end
     layer->waves.n_graph = n_waves;
     for (int32_t i = 0; i < EMPANEL_MAX_TENSORS; i++) {

@@ -5,14 +5,17 @@
 
 #include "io.h"
 
+#include <stdatomic.h>
+
 struct empanel_layer;
 struct empanel_pool;
 
 // what an RPC host's cache holds of one tensor's experts (struct empanel_tensor.remote; NULL
 // unless its pool is on an RPC host)
 struct empanel_remote {
-    int        cache;   // its host keeps what it is sent (rpc-server -c): 1 yes or not known yet, 0 no
-                        // (it refused a hash it was sent)
+    atomic_int cache;   // its host keeps what it is sent (rpc-server -c): 1 yes or not known yet, 0 no
+                        // (it refused a hash it was sent); written under the pool's lock, read by
+                        // the reader threads without it (chunk.c)
     uint64_t * hash;    // [n_expert] FNV-1a of each expert's bytes as the host's cache names them,
                         // 0: not known yet
     uint8_t  * sent;    // [n_expert] 1: sent to the host with the cache flag by this process

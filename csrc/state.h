@@ -59,6 +59,8 @@ struct empanel_budget {
     uint64_t  lowest_bytes;     // the lowest budget since the pool was made
     uint64_t  n_changes;        // budget changes (empanel_pool_set_budget)
     uint64_t  given_back_bytes; // bytes of experts emptied while over the budget (their pages returned)
+    uint64_t  ceiling_bytes;    // the budget the app set (empanel_pool_set_budget): the controller
+                                // grows no higher; 0: none set, the capacity
     uint64_t  busy_call;        // the remap call of the layer computing now (remap.c): its slots stay
     const char * fixed_why;     // why this pool's budget cannot move (NULL: it can)
     int32_t   n_entries;     // slots of all layers
@@ -77,6 +79,10 @@ struct empanel_pressure {
     atomic_ullong available_bytes; // as last read (UINT64_MAX: unknown)
     uint64_t    n_shrinks;
     uint64_t    n_grows;
+    atomic_ullong n_events;        // polls that heard the kernel reclaim in vain (pressure.c)
+    atomic_ullong n_unread;        // source readings that failed
+    int         hears_kernel;      // 1: events registered on a watched cgroup
+    double      max_lock_wait_ms;  // a move down's longest wait for the pool's lock
     double      last_shrink_ms;    // from reading low memory to the pages given back
     double      max_shrink_ms;
 };

@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -218,3 +219,39 @@ def test_capacity_beyond_memory(tmp_path):
         finally:
             llm.close()
     assert np.array_equal(logits[n_expert - 8], logits[4])
+
+
+def test_a_move_down_does_not_wait_for_the_preload(tmp_path):
+    """The preload lets go of the pool's lock between chunks of 32 MiB (63-3): a budget set while
+    it reads (288 MiB from the drive, O_DIRECT) returns before the preload ends, the preload stops
+    at the lower budget, and decoding after it is bit-identical to stock."""
+    from empanel_gguf.models.fixtures import FixtureSpec, write_model
+
+    spec = FixtureSpec("preload-lock", "qwen3moe", n_layer=2, n_expert=64, n_expert_used=4, n_embd=1024,
+                       n_ff_exp=512, weight_type="F16", expert_types=("F16", "F16"), seed=22)
+    path = write_model(spec, tmp_path / "preload.gguf")
+    llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, moe_slots=48, moe_preload=False)
+    try:
+        floor = llm.moe_stats()["budget"]["floor_bytes"]
+        done = {}
+
+        def preload():
+            experts = llm._experts  # (preload() reads only where the plan says so: the sidecar's own call)
+            done["n"] = experts.n.sidecar.empanel_preload(experts.pool)
+            done["at"] = time.monotonic()
+
+        thread = threading.Thread(target=preload)
+        thread.start()
+        time.sleep(0.03)
+        llm.moe_set_budget(floor)
+        set_at = time.monotonic()
+        thread.join()
+        budget = llm.moe_stats()["budget"]
+        assert set_at < done["at"], (set_at, done)  # (before: the set waited for the whole preload)
+        assert budget["budget_bytes"] == floor and budget["resident_bytes"] <= floor, budget
+        assert 0 < done["n"] < 96, done
+        logits, _ = decode(llm, [(None, 4)])
+        exact_to = llm.moe_stats()["exact_to"]
+    finally:
+        llm.close()
+    assert np.array_equal(logits, stock_logits(path, exact_to, [(None, 4)], n_ctx=64))

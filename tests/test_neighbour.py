@@ -145,11 +145,24 @@ def tell(proc):
         pass
 
 
-def run_scenario(cgroup, path, elastic):
+def decode_on(model):
+    """The model told to decode on, if it lives: (tokens, budget figures), or (None, None)."""
+    if model.poll() is not None:
+        return None, None
+    tell(model)
+    got = expect(model, "TOKENS")
+    if got is None:
+        return None, None
+    text_tokens, text_budget = got.split(" ", 1)
+    return json.loads(text_tokens), json.loads(text_budget)
+
+
+def run_scenario(cgroup, path, elastic, limit_at_load=True):
     """The model in the cgroup, the limit lowered to what it uses plus 448 MiB (1.75 of the
     controller's 256 MiB reserve: a band where it rests), a neighbour that takes 528 MiB mid-decode,
     then leaves. (tokens or None, budget figures, seconds back, killed)"""
-    cgroup.set_limit(2 << 30)  # a limit from the start: the planner names the cgroup's files
+    if limit_at_load:
+        cgroup.set_limit(2 << 30)
     model = cgroup.spawn([sys.executable, "-c", MODEL_SCRIPT, str(path), str(SLOTS), "1" if elastic else "0"])
     neighbour = None
     try:
@@ -157,13 +170,8 @@ def run_scenario(cgroup, path, elastic):
         cgroup.set_limit(cgroup.usage() + 448 * MiB)
         neighbour = cgroup.spawn([sys.executable, "-c", NEIGHBOUR_SCRIPT, str(528 * MiB)])
         expect(neighbour, "HELD", timeout=60)  # (None where the OOM killer took it)
-        tokens = budget = back = None
-        if model.poll() is None:
-            tell(model)
-            got = expect(model, "TOKENS")
-            if got is not None:
-                text_tokens, text_budget = got.split(" ", 1)
-                tokens, budget = json.loads(text_tokens), json.loads(text_budget)
+        back = None
+        tokens, budget = decode_on(model)
         tell(neighbour)
         neighbour.wait(timeout=30)
         if tokens is not None and model.poll() is None:
@@ -208,6 +216,87 @@ def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path):
     try:  # the same without moe_elastic: the OOM killer fires (the scenario bites)
         tokens, budget, back, kills, codes = run_scenario(control, path, elastic=False)
         assert kills >= 1 and -9 in codes, (kills, codes)
+    finally:
+        control.remove()
+
+
+def test_a_limit_set_after_the_load_is_watched(tmp_path):
+    """A cgroup with no limit when the model loads, one set mid-decode (`docker update`,
+    `systemctl set-property ... MemoryMax=`), then a neighbour: the controller reads the limit
+    at its next poll (the plan names every cgroup around the model, limited or not: 63-2), gives
+    back, nobody is killed, tokens equal stock's."""
+    path = write_model(SPEC, tmp_path / "neighbour.gguf")
+    cgroup = Cgroup("empanel-limit-later")
+    try:
+        tokens, budget, back, kills, codes = run_scenario(cgroup, path, elastic=True, limit_at_load=False)
+        assert kills == 0 and codes == (0, 0), (kills, codes)
+        assert tokens == stock_tokens(path)
+        assert budget["n_shrinks"] >= 1 and budget["given_back_bytes"] >= 200 * MiB, budget
+    finally:
+        cgroup.remove()
+
+
+LOWERED_SCRIPT = MODEL_SCRIPT.split('print("READY"')[0] + """
+print("READY", flush=True)
+sys.stdin.readline()          # the limit is lowered now
+step(12)
+print("TOKENS", json.dumps(tokens, separators=(",", ":")), json.dumps(llm.moe_stats()["budget"]), flush=True)
+"""
+
+
+def lower_limit(cgroup, limit, seconds):
+    """Write `limit` every 20 ms, as an admin's retrying tool would, until it is taken or `seconds`
+    pass: (seconds it took, or None, refusals)."""
+    t0, refused = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        try:
+            cgroup.set_limit(limit)
+            return time.monotonic() - t0, refused
+        except OSError:
+            refused += 1
+            time.sleep(0.02)
+    return None, refused
+
+
+def run_lowered(cgroup, path, elastic):
+    """The model decoding in a cgroup with room to spare, the limit written down to 160 MiB under
+    what the group holds: (seconds until taken or None, refusals, tokens, budget, kills, codes)."""
+    cgroup.set_limit(2 << 30)
+    model = cgroup.spawn([sys.executable, "-c", LOWERED_SCRIPT, str(path), str(SLOTS), "1" if elastic else "0"])
+    try:
+        assert expect(model, "READY") is not None, model.stderr.read()[-3000:]
+        taken, refused = lower_limit(cgroup, cgroup.usage() - 160 * MiB, 2.0)
+        tokens, budget = decode_on(model)
+        model.wait(timeout=60)
+        return taken, refused, tokens, budget, cgroup.oom_kills(), model.returncode
+    finally:
+        if model.poll() is None:
+            model.kill()
+            model.wait()
+
+
+def test_a_limit_lowered_mid_decode_goes_through(tmp_path):
+    """The limit written below what the group holds while the model decodes: cgroup v1 refuses the
+    write until the group gives back (v2 would reclaim, then OOM-kill). The controller hears the
+    kernel's reclaim (memory.pressure_level) and gives back, so a retrying writer's limit is taken
+    within 1 s; the model lives on, tokens equal stock's. Without moe_elastic the write is refused
+    for as long as it is tried (the scenario bites)."""
+    path = write_model(SPEC, tmp_path / "neighbour.gguf")
+    cgroup = Cgroup("empanel-lowered")
+    try:
+        if cgroup.version != 1:
+            pytest.skip("cgroup v2 takes a lowered limit at once (memory.max), then reclaims or OOM-kills")
+        taken, refused, tokens, budget, kills, code = run_lowered(cgroup, path, elastic=True)
+        assert taken is not None and taken < 1.0, (taken, refused, budget)
+        assert kills == 0 and code == 0, (kills, code)
+        assert budget["hears_kernel"] and budget["n_events"] >= 1 and budget["n_shrinks"] >= 1, budget
+        assert tokens == stock_tokens(path)
+    finally:
+        cgroup.remove()
+    control = Cgroup("empanel-lowered-control")
+    try:
+        taken, refused, tokens, budget, kills, code = run_lowered(control, path, elastic=False)
+        assert taken is None and refused >= 10, (taken, refused)
     finally:
         control.remove()
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from empanel_gguf import Llama
 from empanel_gguf.engine.pools import memory_available
@@ -66,6 +67,14 @@ def test_the_sidecar_reads_memory_as_the_planner_does(tmp_path):
     assert memory_available([v2, host]) == 3_000_000 * 1024
     Path(v1["usage"]).write_text(f"{7 << 30}\n")  # over the limit (the kernel reclaims): nothing left
     assert memory_available([v1]) == 0 == python_left([v1])
+    # v2's memory.high is a limit too: the lower of it and memory.max binds (63-2)
+    Path(v2["limit"]).write_text(f"{2 << 30}\n")
+    high = Path(v2["limit"]).with_name("memory.high")
+    high.write_text(f"{1536 * MiB}\n")
+    v2h = dict(v2, high=str(high))
+    assert memory_available([v2h]) == python_left([v2h]) == 512 * MiB + 64 * MiB
+    high.write_text("max\n")
+    assert memory_available([v2h]) == python_left([v2h]) == (1 << 30) + 64 * MiB
     real = host_memory.memory_sources()
     if real:
         assert abs(memory_available(real) - python_left(real)) < 64 * MiB  # (read a moment apart)
@@ -147,7 +156,7 @@ def test_elastic_follows_the_options(tmp_path, monkeypatch):
                          floor=floor, guard=False)
         assert load.plan is not None and (load.controller is not None) is on, (slots, elastic)
         if on:
-            assert load.controller["sources"] == host_memory.memory_sources()[:4]
+            assert load.controller["sources"] == host_memory.memory_sources()
             assert load.controller["reserve"] == max(load.floor // 2, 64 * MiB)
             llm = Llama(str(path), n_ctx=64, verbose=False, moe_load=load)
             try:
@@ -158,3 +167,86 @@ def test_elastic_follows_the_options(tmp_path, monkeypatch):
     monkeypatch.setenv("EMPANEL_MEM_AVAILABLE", str(paging))
     load = plan_load(index, "auto", {"n_ctx": 64}, available=paging, floor=floor, guard=False)
     assert load.plan is not None and load.controller is None
+
+
+def decode(llm, tokens, n):
+    for _ in range(n):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(tokens[-1:])
+
+
+def wait_for(check, timeout=5.0):
+    t0 = time.monotonic()
+    while not check() and time.monotonic() - t0 < timeout:
+        time.sleep(0.005)
+    return check()
+
+
+def test_a_budget_the_app_sets_is_a_ceiling(tmp_path):
+    """moe_set_budget is where the controller stops growing: plenty free, and 3 s later the budget
+    is still the one set (63-8); a higher one set raises it again."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    source = cgroup_v1(tmp_path, 64 << 30, 1 << 30, 0)
+    llm = Llama(str(path), n_ctx=256, verbose=False, moe_slots=128, moe_elastic=False)
+    try:
+        llm.eval(llm.tokenize(b"The quick brown fox"))
+        decode(llm, [], 4)
+        capacity = llm.moe_stats()["budget"]["capacity_bytes"]
+        llm._experts.watch_memory([source], 64 * MiB, interval_ms=10)
+        llm.moe_set_budget(capacity // 2)
+        time.sleep(3.0)  # (moves up come 2 s after a move down, every 0.5 s)
+        budget = llm.moe_stats()["budget"]
+        assert budget["budget_bytes"] == budget["ceiling_bytes"] == capacity // 2, budget
+        # less memory now: the controller goes below the ceiling, and back up to it, not past it
+        Path(source["usage"]).write_text(f"{(64 << 30) - 16 * MiB}\n")
+        assert wait_for(lambda: llm.moe_stats()["budget"]["budget_bytes"] < capacity // 2)
+        Path(source["usage"]).write_text(f"{1 << 30}\n")
+        assert wait_for(lambda: llm.moe_stats()["budget"]["budget_bytes"] == capacity // 2, 10)
+        time.sleep(1.0)
+        assert llm.moe_stats()["budget"]["budget_bytes"] == capacity // 2
+        llm.moe_set_budget(capacity)
+        assert llm.moe_stats()["budget"]["ceiling_bytes"] == capacity
+    finally:
+        llm.close()
+
+
+def test_a_source_that_cannot_be_read_is_left_out(tmp_path, capfd):
+    """A named file that cannot be opened leaves that source out, not the controller (63-4): the
+    others are watched; a file that goes away at run time is counted (n_unread) and said once on
+    stderr, and the budget still moves with the source that reads."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    good = cgroup_v1(tmp_path, 4 << 30, 1 << 30, 0)
+    gone = {"limit": str(tmp_path / "nowhere" / "memory.limit_in_bytes"), "usage": str(tmp_path / "nowhere" / "u"),
+            "stat": "", "stat_key": ""}
+    (tmp_path / "later").mkdir()
+    later = cgroup_v1(tmp_path / "later", 8 << 30, 1 << 30, 0)
+    llm = Llama(str(path), n_ctx=256, verbose=False, moe_slots=128, moe_elastic=False)
+    try:
+        llm.eval(llm.tokenize(b"The quick brown fox"))
+        decode(llm, [], 4)
+        llm._experts.watch_memory([gone, good, later], 64 * MiB, interval_ms=10)
+        assert llm.moe_stats()["budget"]["elastic"]
+        Path(later["usage"]).write_text("")  # unreadable from now on (as a removed cgroup's files)
+        assert wait_for(lambda: llm.moe_stats()["budget"]["n_unread"] >= 3)
+        Path(good["usage"]).write_text(f"{(4 << 30) - 16 * MiB}\n")
+        assert wait_for(lambda: llm.moe_stats()["budget"]["n_shrinks"] >= 1)
+        assert llm.moe_stats()["budget"]["available_bytes"] == 16 * MiB
+    finally:
+        llm.close()
+    err = capfd.readouterr().err
+    assert "cannot open " + gone["limit"] in err and err.count("cannot read " + later["limit"]) == 1, err
+
+
+def test_a_reserve_is_bounded(tmp_path):
+    """A reserve of 0 would never give back and one near 2^64 overflows the controller's arithmetic
+    (63-9): both refused, by the sidecar and in a plan file."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    source = cgroup_v1(tmp_path, 4 << 30, 1 << 30, 0)
+    llm = Llama(str(path), n_ctx=64, verbose=False, moe_slots=128, moe_elastic=False)
+    try:
+        for reserve in (0, 1 << 63):
+            with pytest.raises(ValueError, match="keeping"):
+                llm._experts.watch_memory([source], reserve, interval_ms=10)
+        assert not llm.moe_stats()["budget"]["elastic"]
+    finally:
+        llm.close()

@@ -135,11 +135,13 @@ class ExpertPools:
         """The live budget and its controller: struct empanel_budget_stats as a dict
         (budget_bytes, capacity_bytes, floor_bytes, resident_bytes, lowest_bytes, n_changes,
         given_back_bytes, elastic, fixed, n_shrinks, n_grows, available_bytes (None: unknown),
-        reserve_bytes, last_shrink_ms, max_shrink_ms)."""
+        reserve_bytes, last_shrink_ms, max_shrink_ms, ceiling_bytes, n_events, n_unread,
+        hears_kernel, max_lock_wait_ms)."""
         out = self.n.ffi.new("struct empanel_budget_stats *")
         self.n.sidecar.empanel_pool_budget(self.pool, out)
         figures = {name: getattr(out, name) for name, _ in self.n.ffi.typeof(out[0]).fields}
-        figures["elastic"], figures["fixed"] = bool(figures["elastic"]), bool(figures["fixed"])
+        for flag in ("elastic", "fixed", "hears_kernel"):
+            figures[flag] = bool(figures[flag])
         if figures["available_bytes"] == (1 << 64) - 1:
             figures["available_bytes"] = None
         return figures
@@ -275,8 +277,9 @@ def memory_sources_c(n, sources):
     the strings it points to (keep them alive while it is used)."""
     structs = n.ffi.new("struct empanel_memory_source[]", max(1, len(sources)))
     keep = []
-    fields = {"limit": "limit_path", "usage": "usage_path", "stat": "stat_path", "stat_key": "stat_key",
-              "available": "available_path", "available_key": "available_key"}
+    fields = {"limit": "limit_path", "high": "high_path", "usage": "usage_path", "stat": "stat_path",
+              "stat_key": "stat_key", "events": "events_path", "available": "available_path",
+              "available_key": "available_key"}
     for i, source in enumerate(sources):
         for key, field in fields.items():
             if source.get(key):

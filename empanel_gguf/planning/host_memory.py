@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..abi.header import define
 from .format import GiB, KiB
 from .sizing import parse_size
 
@@ -84,26 +85,37 @@ def _cgroup_dirs():
     return found
 
 
-_NO_LIMIT = 1 << 60  # cgroup v1 writes 9223372036854771712 for "no limit"
+NO_LIMIT = define("EMPANEL_MEMORY_NO_LIMIT")  # at or above: no limit (cgroup v1 writes 2^63 - 4096)
+MAX_SOURCES = define("EMPANEL_MAX_MEMORY_SOURCES")
 
 
 def memory_sources(proc="/proc/meminfo"):
-    """Where the memory left is read, the one definition of it: the files of every memory cgroup
-    around us (v2: memory.max, memory.current, memory.stat's inactive_file; v1:
-    memory.limit_in_bytes, memory.usage_in_bytes, memory.stat's total_inactive_file: page cache the
-    kernel reclaims first counts as free), then /proc/meminfo's MemAvailable. Each a dict of
-    limit/usage/stat paths and stat_key, or available/available_key. The planner reads them
-    (source_left); the sidecar's controller reads the same files while the model runs (plan
-    records `memory`, csrc/pressure.c: the same arithmetic)."""
-    out = []
+    """Where the memory left is read, the one definition of it: the plan, the watchdog
+    (available_memory) and the sidecar's controller (csrc/pressure.c, the same arithmetic) read
+    these files. Every memory cgroup around us, whether it has a limit now or not (a limit set later,
+    `docker update` or `systemctl set-property ... MemoryMax=`, is read at the next poll):
+    v2: memory.max and memory.high (the lower binds), memory.current, memory.stat's inactive_file;
+    v1: memory.limit_in_bytes, memory.usage_in_bytes, memory.stat's total_inactive_file, and
+    memory.pressure_level, where the controller hears the kernel reclaim in the group (a limit
+    lowered under what the group holds is refused until someone gives back: page cache the kernel
+    takes, pools the controller empties). Page cache the kernel reclaims first counts as free. Then
+    /proc/meminfo's MemAvailable. Cgroups limited now first, innermost first; at most MAX_SOURCES,
+    meminfo kept. Each a dict of limit/high/usage/stat/events paths and stat_key, or
+    available/available_key."""
+    limited, open_ended = [], []
     for version, d in _cgroup_dirs():
         files = (("memory.max", "memory.current", "inactive_file") if version == 2 else
                  ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
-        limit = read_int(d / files[0])  # "max" -> None
-        if limit is None or limit >= _NO_LIMIT or not (d / files[1]).exists():
+        if not (d / files[0]).exists() or not (d / files[1]).exists() or "\n" in str(d):
             continue
-        out.append({"limit": str(d / files[0]), "usage": str(d / files[1]), "stat": str(d / "memory.stat"),
-                    "stat_key": files[2]})
+        source = {"limit": str(d / files[0]), "usage": str(d / files[1]), "stat": str(d / "memory.stat"),
+                  "stat_key": files[2]}
+        if version == 2 and (d / "memory.high").exists():
+            source["high"] = str(d / "memory.high")
+        if version == 1 and (d / "memory.pressure_level").exists():
+            source["events"] = str(d / "memory.pressure_level")
+        (limited if _cgroup_reading(source) is not None else open_ended).append(source)
+    out = (limited + open_ended)[:MAX_SOURCES - 1]
     if os.path.exists(proc):
         out.append({"available": proc, "available_key": "MemAvailable"})
     return out
@@ -111,9 +123,10 @@ def memory_sources(proc="/proc/meminfo"):
 
 def _cgroup_reading(source):
     """(limit, usage not counting reclaimable page cache) of a cgroup source, None if it has no
-    limit or cannot be read."""
-    limit, usage = read_int(source["limit"]), read_int(source["usage"])
-    if limit is None or usage is None or limit >= _NO_LIMIT:
+    limit or cannot be read. The limit is the lower of memory.max and memory.high (v2)."""
+    limits = [read_int(source[key]) for key in ("limit", "high") if source.get(key)]
+    limit, usage = min((v for v in limits if v is not None), default=None), read_int(source["usage"])
+    if limit is None or usage is None or limit >= NO_LIMIT:
         return None
     reclaimable = (stat_value(source["stat"], source["stat_key"]) if source.get("stat") else None) or 0
     return limit, max(0, usage - reclaimable)
@@ -160,22 +173,21 @@ def total_memory():
 
 
 def available_memory():
-    """Bytes that can still be allocated without swapping or the OOM killer; None if unknown."""
+    """Bytes that can still be allocated without swapping or the OOM killer; None if unknown: the
+    least any of memory_sources() leaves (macOS: vm_stat). EMPANEL_MEM_AVAILABLE replaces the
+    reading for the plan and the watchdog (the controller reads the kernel's files, so loads under
+    it are not elastic unless moe_elastic asks, plan.elastic_wanted)."""
     override = os.environ.get("EMPANEL_MEM_AVAILABLE")
     if override:
         value = parse_size(override)
         if value is None:
             raise ValueError(f"EMPANEL_MEM_AVAILABLE={override!r} is not a size (e.g. 8GiB)")
         return value
-    values = []
-    info = meminfo()
-    if "MemAvailable" in info:
-        values.append(info["MemAvailable"])
-    elif sys.platform == "darwin":
+    values = [v for v in (source_left(s) for s in memory_sources()) if v is not None]
+    if sys.platform == "darwin" and not values:
         v = _vm_stat_available()
         if v is not None:
             values.append(v)
-    values += [max(0, limit - usage) for limit, usage in _cgroup_limits()]
     return min(values) if values else None
 
 

@@ -446,7 +446,7 @@ def _controller(load, kwargs):
         notes.append("moe_elastic: the pools hold every expert in place (stock's graph reads them): they keep "
                      "their memory")
         return None
-    sources = [s for s in memory_sources() if not any(any(c.isspace() for c in str(v)) for v in s.values())]
+    sources = memory_sources()
     if not sources:
         notes.append("moe_elastic: no memory limit to watch on this system (no memory cgroup, no /proc/meminfo): "
                      "the budget moves only with moe_set_budget")
@@ -455,7 +455,7 @@ def _controller(load, kwargs):
     notes.append(f"moe_elastic: the pools give memory back when less than {format_bytes(reserve)} is left "
                  f"({', '.join(s.get('limit', s.get('available')) for s in sources)}) and take it again when "
                  "it is free")
-    return {"reserve": reserve, "interval_ms": ELASTIC_INTERVAL_MS, "sources": sources[:4]}
+    return {"reserve": reserve, "interval_ms": ELASTIC_INTERVAL_MS, "sources": sources}
 
 
 def _elastic_capacity(index, budget_slots, kwargs, resident_layers, total, sizing_floor, notes):

@@ -59,7 +59,8 @@ def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests
     if controller is not None:
         lines.append(f"elastic {controller['reserve']} {controller['interval_ms']}")
         for i, source in enumerate(controller["sources"]):
-            for role, key in (("limit", None), ("usage", None), ("stat", "stat_key"), ("available", "available_key")):
+            for role, key in (("limit", None), ("high", None), ("usage", None), ("stat", "stat_key"), ("events", None),
+                              ("available", "available_key")):
                 if source.get(role):
                     lines.append(f"memory {i} {role} {source[key] if key else '-'} {source[role]}")
     lines.append("slots " + " ".join(str(n) for n in setup.n_slots))

@@ -90,6 +90,44 @@ class Neighbour:
                 "rc": self.proc.returncode}
 
 
+class LimitLowering:
+    """bench --lower-limit: the run's cgroup limit written down mid-decode, as `docker update
+    --memory` does, tried again every 50 ms for up to 15 s (cgroup v1 refuses, EBUSY, a limit the
+    group cannot reclaim down to), from a thread, while the decode goes on."""
+
+    def __init__(self, limit_file, limit, t_decode, token):
+        self.limit_file, self.limit = limit_file, limit
+        self.start_s = time.perf_counter() - t_decode
+        self.token = token          # the decode's token index now (the loop moves it)
+        self.taken_s = self.taken_token = None
+        self.refused = 0
+        self.error = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        t0 = time.perf_counter()
+        while not self._stop.is_set() and time.perf_counter() - t0 < 15:
+            try:
+                with open(self.limit_file, "w") as f:
+                    f.write(f"{self.limit}\n")
+                self.taken_s, self.taken_token = time.perf_counter() - t0, self.token
+                return
+            except OSError as e:
+                self.refused += 1
+                self.error = str(e)
+                self._stop.wait(0.05)
+
+    def end(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def outcome(self) -> dict:
+        return {"bytes": self.limit, "start_s": self.start_s, "taken_s": self.taken_s,
+                "taken_token": self.taken_token, "refused": self.refused, "error": self.error}
+
+
 def token_trace(llm, n_prompt: int, n_gen: int, text: str = PROMPT_TEXT):
     """(prompt tokens, forced continuation): the same text for every arm, repeated as needed."""
     text = text.encode()
@@ -323,11 +361,17 @@ def _decode(llm, trace, spec) -> dict:
 
     times, argmax, finite = [], [], True
     plan, neighbour = spec.get("neighbour"), spec.get("_neighbour")
+    lower, lowering = spec.get("lower"), None
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t_start = time.perf_counter()
     for i, tok in enumerate(trace):
         if plan and i == plan["at"] and neighbour is None:
             neighbour = Neighbour(plan["bytes"], t_start)
+        if lower and i == lower["at"] and spec.get("cgroup_procs"):
+            lowering = LimitLowering(Path(spec["cgroup_procs"]).with_name("memory.limit_in_bytes"), lower["bytes"],
+                                     t_start, i)
+        if lowering is not None:
+            lowering.token = i
         if neighbour is not None and i == plan.get("leave_at"):
             neighbour.leave(t_start)
         t0 = time.perf_counter()
@@ -341,6 +385,8 @@ def _decode(llm, trace, spec) -> dict:
             break
     if neighbour is not None and neighbour.left_s is None:
         neighbour.leave(t_start)
+    if lowering is not None:
+        lowering.end()
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     # the process's CPU over every thread (compute, readers, io_uring's workers) and its context
     # switches, over the decode (the kernel's interrupt work for the drive is in no process's clock)
@@ -351,6 +397,9 @@ def _decode(llm, trace, spec) -> dict:
         early = spec.get("_neighbour") is not None  # (in the prompt, or before the load)
         out["neighbour"] = {**neighbour.outcome(), "at": 0 if early else plan["at"], "leave_at": plan.get("leave_at"),
                             "in_prompt": early and plan["at"] != "load", "at_load": plan["at"] == "load"}
+    if lowering is not None:
+        out["lower"] = {**lowering.outcome(), "at": lower["at"]}
+    if neighbour is not None or lowering is not None:
         stats = llm.moe_stats() if hasattr(llm, "moe_stats") else None
         out["budget"] = (stats or {}).get("budget")
     return out

@@ -21,7 +21,8 @@ from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
 from .runs import Bench, median, build_rows, log, run_child, sample_metrics
-from .report import details_table, fmt, fmt_bytes, main_table, model_label, neighbour_table, prompt_table
+from .report import (details_table, fmt, fmt_bytes, limit_table, main_table, model_label, neighbour_table,
+                     prompt_table)
 
 
 # --write-model's shape flags: flag -> ModelShape field (int)
@@ -201,6 +202,13 @@ def setup_arg_parser():
                    help="it comes S seconds into the measured prompt instead (and holds through the decode)")
     g.add_argument("--neighbour-leave", type=int, default=None, metavar="N",
                    help="the decoded token before which it frees its memory and leaves (default: it stays)")
+    g.add_argument("--lower-limit", type=float, default=None, metavar="SHARE",
+                   help="write the run's cgroup limit down to SHARE of the model file (e.g. 0.4) mid-decode, as "
+                        "`docker update --memory` does, retrying every 50 ms for up to 15 s as cgroup v1 refuses a "
+                        "limit the group cannot reclaim down to: when it was taken, and decoding before and after "
+                        "(the lowered-limit table)")
+    g.add_argument("--lower-at", type=int, default=None, metavar="N",
+                   help="the decoded token before which the limit is lowered (default: a quarter of -n)")
     g.add_argument("--rpc", metavar="HOST:PORT,...", default=None,
                    help="place the layers of every run on these ggml-rpc-server processes, as llama.cpp's --rpc "
                         "(rpc_servers=; all layers unless --llama-opt n_gpu_layers=N); the JSON gets the bytes "
@@ -304,6 +312,8 @@ def _bench(args, model, reports) -> int:
         tables = {"main": main_table(bench, rows), "details": details_table(bench, rows)}
         if args.neighbour:
             tables["neighbour"] = neighbour_table(bench, rows)
+        if args.lower_limit:
+            tables["lowered limit"] = limit_table(bench, rows)
         if args.no_warmup:  # the measured prompt is cold: as a user meets it
             tables["prompt"] = prompt_table(bench, rows)
         for title, report in reports:  # e.g. an issue's targets (scripts/bench.py)
@@ -441,10 +451,9 @@ def _print_summary(bench: Bench, tables, reports, t_start):
     args = bench.args
     print(f"\n{tables['main']}\n")
     print(f"{tables['details']}\n")
-    if "neighbour" in tables:
-        print(f"{tables['neighbour']}\n")
-    if "prompt" in tables:
-        print(f"{tables['prompt']}\n")
+    for name in ("neighbour", "lowered limit", "prompt"):
+        if name in tables:
+            print(f"{tables[name]}\n")
     drives = [f"{d['when']} {d['gbps']:.2f}" for d in bench.drive if d.get("gbps")]
     per = [s["drive"]["gbps"] for s in bench.samples if (s.get("drive") or {}).get("gbps")]
     print(f"drive O_DIRECT ({bench.probe_chunk // 1024} KiB chunks, depth {bench.probe_depth}): "

@@ -192,6 +192,27 @@ def neighbour_table(bench: Bench, rows) -> str:
     return title + "\n\n" + markdown(headers, out)
 
 
+def limit_table(bench: Bench, rows) -> str:
+    """bench --lower-limit: the cgroup's limit written down mid-decode: whether and when it was
+    taken, and decoding before, while refused and after (medians)."""
+    a = bench.args
+    headers = ["config", "cap", "status", "limit taken after", "refused", "tg before t/s", "tg refused t/s",
+               "tg after t/s", "budget lowest", "kernel events", "argmax = stock"]
+    out = []
+    for row in rows:
+        ok = row["status"].startswith("ok")
+        taken = row.get("limit_taken_s")
+        out.append([row["config"], row["cap"], row["status"] if ok else (row.get("error") or row["status"])[:30],
+                    "-" if not ok else "never (15 s)" if taken is None or row.get("limit_never") else f"{taken:.2f} s",
+                    fmt(row.get("limit_refused"), ".0f"), fmt(row.get("tg_before_tps")),
+                    fmt(row.get("tg_refused_tps")), fmt(row.get("tg_after_tps")), fmt_bytes(row.get("budget_lowest")),
+                    fmt(row.get("budget_events"), ".0f"), row.get("argmax_agree", "-")])
+    at = a.lower_at if a.lower_at is not None else a.n_gen // 4
+    title = (f"limit lowered: the cgroup's limit written down to {a.lower_limit:g} of the model file "
+             f"({format_bytes(int(a.lower_limit * bench.model_bytes))}) before decoded token {at}, tried every 50 ms")
+    return title + "\n\n" + markdown(headers, out)
+
+
 def kv_bytes(bench: Bench) -> int:
     """The KV cache of the context the runs use (F16), as the memory guard estimates it."""
     from ...planning.estimate import estimate

@@ -112,6 +112,8 @@ def _child_spec(bench: Bench, cfg: Config, result_path: Path) -> dict:
         "neighbour": ({"bytes": a.neighbour, "at": a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4,
                        "leave_at": a.neighbour_leave, "prompt_s": a.neighbour_in_prompt} if a.neighbour else None),
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
+        "lower": ({"bytes": int(a.lower_limit * bench.model_bytes),
+                   "at": a.lower_at if a.lower_at is not None else a.n_gen // 4} if a.lower_limit else None),
     }
 
 
@@ -300,6 +302,16 @@ def sample_metrics(s: dict) -> dict:
         m["budget_given_back"] = budget.get("given_back_bytes")
         m["budget_shrink_ms"] = budget.get("max_shrink_ms")
         m["budget_end"], m["budget_capacity"] = budget.get("budget_bytes"), budget.get("capacity_bytes")
+    lw = s["tg"].get("lower")
+    if lw:  # decode before the limit was written down, while it was refused, after it was taken
+        times, at = s["tg"]["token_s"], lw["at"]
+        taken = lw.get("taken_token", len(times)) if lw.get("taken_s") is not None else len(times)
+        for name, part in (("before", times[:at]), ("refused", times[at:taken]), ("after", times[taken:])):
+            m[f"tg_{name}_tps"] = len(part) / sum(part) if part and sum(part) > 0 else None
+        m["limit_taken_s"], m["limit_refused"] = lw.get("taken_s"), lw.get("refused")
+        m["limit_never"] = int(lw.get("taken_s") is None)  # (a median of 1: not taken in most runs)
+        budget = s["tg"].get("budget") or {}
+        m["budget_lowest"], m["budget_events"] = budget.get("lowest_bytes"), budget.get("n_events")
     w = s.get("warmup")  # the first run after load: cold pools / page cache
     if w:
         for ph in ("pp", "tg"):
