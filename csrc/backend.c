@@ -44,6 +44,15 @@ void * empanel_backend_host_data(void * pool_tensor) {
     return llama_empanel_buffer_in_host_memory(t->buffer) ? t->data : NULL;
 }
 
+int empanel_backend_host_gives_back(void * pool_tensor) {
+    struct ggml_tensor * t = pool_tensor;
+    if (t == NULL || t->buffer == NULL) {
+        return 0;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    return dev == NULL || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
 void * empanel_backend_slot_data(void * pool_tensor, int32_t slot) {
     struct ggml_tensor * t = pool_tensor;
     if (t == NULL || t->buffer == NULL || slot < 0 || slot >= t->ne[2]) {
@@ -194,7 +203,7 @@ int32_t empanel_unified_devices(void) {
 
 // give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
 // also zero the bytes of the partial pages at both ends
-void empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges) {
+int empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges) {
     const uint64_t page  = (uint64_t) sysconf(_SC_PAGESIZE);
     const uint64_t begin = ((uint64_t) (uintptr_t) ptr + page - 1) / page * page;
     const uint64_t end   = ((uint64_t) (uintptr_t) ptr + size) / page * page;
@@ -202,7 +211,7 @@ void empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges
         if (zero_edges) {
             memset(ptr, 0, size);
         }
-        return;
+        return 0;
     }
     if (zero_edges) {
         memset(ptr, 0, begin - (uintptr_t) ptr);
@@ -210,10 +219,11 @@ void empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges
     }
 #if defined(__linux__)
     if (madvise((void *) (uintptr_t) begin, end - begin, MADV_DONTNEED) == 0) {
-        return; // private anonymous memory: zero-filled on the next touch
+        return 1; // private anonymous memory: zero-filled on the next touch
     }
 #endif
     if (zero_edges) {
         memset((void *) (uintptr_t) begin, 0, end - begin);
     }
+    return -1;
 }

@@ -18,9 +18,14 @@ void *  empanel_backend_host_data(void * pool_tensor);
 // out of memory
 void *  empanel_backend_host_buffer_alloc(void * pool_tensor, size_t size, void ** buffer);
 void    empanel_backend_host_buffer_free(void * buffer);
+// whether a pool in host memory (empanel_backend_host_data) can give pages back one by one: 1 in
+// the CPU device's own buffers (our reserved range, CPU_REPACK); 0 in a GPU backend's pinned host
+// buffer, where llama.cpp puts CPU layers when a GPU is present (pinned pages stay charged)
+int     empanel_backend_host_gives_back(void * pool_tensor);
 // give back the pages inside [ptr, ptr + size) (they read as zeros afterwards); with zero_edges
-// also zero the bytes of the partial pages at both ends
-void    empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges);
+// also zero the bytes of the partial pages at both ends. 1 if the kernel took the pages back, 0
+// if there were no whole pages, -1 if it refused them (pinned memory: zeroed instead, if asked)
+int     empanel_backend_memory_release(uint8_t * ptr, uint64_t size, int zero_edges);
 // one expert's bytes as stored in the GGUF (nb[2] bytes) into slot `slot`: copied, repacked
 // (CPU_REPACK) or sent to the device; 0 on success
 int32_t empanel_backend_slot_write(void * pool_tensor, int32_t slot, const void * data, size_t size);

@@ -36,18 +36,21 @@ void empanel_budget_set_locked(struct empanel_pool * pool, uint64_t budget_bytes
 void empanel_budget_settle(struct empanel_pool * pool, int32_t n_used, int pinned) {
     pthread_mutex_lock(&pool->lock);
     pool->budget.floor_bytes = 0;
-    int device = 0;
+    int device = 0, pinned_host = 0;
     for (int32_t il = 0; il < pool->n_layer; il++) {
         const struct empanel_layer * layer = &pool->layers[il];
         if (layer->n_slots > 0 && !layer->observe) {
             const int32_t k = n_used < layer->n_slots ? n_used : layer->n_slots;
             pool->budget.floor_bytes += (uint64_t) k * layer->expert_bytes;
-            device |= layer->device;
+            device      |= layer->device;
+            pinned_host |= layer->pinned_host;
         }
     }
     pool->budget.fixed_why = pinned ? "pinned pools (every expert in place, stock's graph reads them directly)"
                            : device ? "the pools are in device memory (a GPU or an RPC host), which does not shrink so"
-                                    : NULL;
+                           : pinned_host ? "the pools are in a GPU backend's pinned host buffer (llama.cpp's choice for CPU "
+                                           "layers where a GPU is present), whose pages the kernel does not take back"
+                                         : NULL;
     pthread_mutex_unlock(&pool->lock);
 }
 

@@ -382,7 +382,8 @@ EMPANEL_API int32_t empanel_rpc_check_servers(char * err, size_t err_size);
 EMPANEL_API int32_t empanel_rpc_lost(char * endpoints, size_t size);
 // 1 when every endpoint of "HOST:PORT,..." (hosts whose connection was lost) answers a handshake
 // again: the caller then loads the model anew, since a restarted server holds nothing of the old
-// connection. Probes one round a second at most (0 in between), each step waiting 1 s at most.
+// connection. Probes each endpoint once a second at most (within that second its last answer
+// stands, for every caller), each probe waiting 1 s at most.
 EMPANEL_API int32_t  empanel_rpc_hosts_back(const char * endpoints);
 // how many times empanel_rpc_hosts_back said 1 in this process (a reload each)
 EMPANEL_API uint64_t empanel_rpc_hosts_back_count(void);

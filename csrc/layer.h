@@ -78,6 +78,7 @@ struct empanel_layer {
     int      observe;       // not paged, but its routing is traced
     int      device;        // a pool is not in this process's host memory (a GPU, an RPC host):
                             // each call from the graph waits for it (stats.device_syncs)
+    int      pinned_host;   // a pool is in a GPU backend's pinned host buffer: no page goes back
     int32_t  n_tensors;
     uint64_t expert_bytes;  // one expert over all tensors
     int32_t  lru_base;      // g-lru: entry of slot 0 in the pool's LRU list

@@ -355,6 +355,7 @@ int32_t empanel_pool_bind(struct empanel_pool * pool, const char * name, const s
             // a new tensor: the own repack is checked again (EMPANEL_REPACK=ggml: ggml's only, for A/B runs)
             atomic_store(&t->repack_own, repack_ggml ? 3 : 0);
             layer->device |= t->host == NULL;
+            layer->pinned_host |= t->host != NULL && !empanel_backend_host_gives_back(pool_tensor);
             if (!empanel_rpc_tensor(pool_tensor)) {
                 empanel_remote_free(t->remote);
                 t->remote = NULL;

@@ -3,7 +3,7 @@
 //
 //   left < reserve                    down at once: budget = resident - (reserve - left) - reserve / 2
 //   the kernel reclaims in vain       down at once by a step: the reserve, 1.5 times the last step
-//                                     at each further event within 1 s (cgroup v1
+//   where the files show room         at each further event within 1 s (cgroup v1
 //                                     memory.pressure_level, "critical": the group's reclaim finds
 //                                     little to take; doubling overshot to the floor on the 48-layer
 //                                     model, 60 % -> 40 % of the file)
@@ -351,7 +351,7 @@ static void poll_once(struct empanel_watch * w) {
     const uint64_t ceiling  = pool->budget.ceiling_bytes != 0 ? pool->budget.ceiling_bytes : pool->budget.capacity_bytes;
     if (shrink) {
         uint64_t cut = left < reserve ? reserve - left + reserve / 2 : 0;
-        if (reclaim) {
+        if (reclaim && left >= reserve) { // (below the reserve the reading explains the reclaim)
             const uint64_t most = resident > reserve ? resident : reserve;
             w->event_step    = now - w->last_event_ns >= PRESSURE_EVENT_STREAK_NS ? reserve
                              : w->event_step + w->event_step / 2 < most ? w->event_step + w->event_step / 2 : most;

@@ -70,15 +70,17 @@ struct by_hash {
     size_t   at[BY_HASH_MAX];     // index into written
 };
 
+// ok[k] from the hosts: 1 written, 0 not held, 2 not answered (the connection failed: its zeros
+// are no answer, patch 0008)
 static void by_hash_send(struct empanel_layer * layer, struct by_hash * q, uint8_t * written) {
     uint8_t ok[BY_HASH_MAX];
     empanel_rpc_write_by_hash_many(q->pools, q->slots, q->hashes, q->n, ok);
     for (int32_t k = 0; k < q->n; k++) {
         struct empanel_tensor * t = &layer->tensors[q->tensor[k]];
-        written[q->at[k]] = ok[k];
-        layer->stats.remote_by_hash += ok[k];
-        if (!ok[k] && t->remote->sent[q->expert[k]]) {
-            t->remote->cache = 0; // sent with the cache flag, yet unknown: the host keeps no cache
+        written[q->at[k]] = ok[k] == 1;
+        layer->stats.remote_by_hash += ok[k] == 1;
+        if (ok[k] == 0 && t->remote->sent[q->expert[k]]) {
+            t->remote->cache = 0; // sent with the cache flag, yet not held: the host keeps no cache
         }
     }
     q->n = 0;

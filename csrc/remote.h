@@ -29,6 +29,7 @@ void empanel_remote_free(struct empanel_remote * remote);
 int  empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job);
 // the misses of a batch, experts[m] -> slots[m] of tensors [t0, t1) of the layer, that the hosts
 // may hold, asked in one round trip per host: written[(i - t0) * n + m] 1 if the host wrote the
-// expert's bytes into the slot from its cache (nothing to read), else 0
+// expert's bytes into the slot from its cache (nothing to read), else 0 (not held, or not
+// answered: a host whose connection failed turns no tensor's writes by hash off)
 void empanel_remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_t t1, const int32_t * experts,
                             const int32_t * slots, int32_t n, uint8_t * written);

@@ -336,35 +336,64 @@ int32_t empanel_rpc_lost(char * endpoints, size_t size) {
 
 // A lost host taken back: a restarted ggml-rpc-server holds nothing of the old connection, so the
 // caller (llama-server's hook, patch 0014; Llama in Python) loads the model anew once every host
-// it lost answers a handshake again. Asked before each request while a host is lost, so: one
-// probe round a second at most, each step bounded by RPC_BACK_WAIT_MS.
+// it lost answers a handshake again. Asked before each request while a host is lost, so each
+// endpoint is probed once a second at most (each probe bounded by RPC_BACK_WAIT_MS), and what it
+// answered counts for that second: a second model asking within it gets the same answer, not a 0
+// for having asked too soon.
 #define RPC_BACK_WAIT_MS     1000
 #define RPC_BACK_INTERVAL_NS 1000000000ull
+#define RPC_BACK_MAX         64 // endpoints remembered (the least recently probed makes room)
 
-static pthread_mutex_t  g_back_lock    = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t         g_back_last_ns = 0; // the last probe round
-static atomic_uint_fast64_t g_back_n = 0; // rounds that found every host back (a reload each)
+struct rpc_back {
+    char     endpoint[256];
+    uint64_t probed_ns; // when it was last probed (0: never)
+    int      up;        // what that probe found
+};
+
+static pthread_mutex_t      g_back_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct rpc_back      g_back[RPC_BACK_MAX];
+static atomic_uint_fast64_t g_back_n = 0; // answers that every host was back (a reload each)
+
+// whether endpoint answers a handshake: probed now, or as probed within the last second
+static int endpoint_back(const char * endpoint) {
+    pthread_mutex_lock(&g_back_lock);
+    const uint64_t now = empanel_util_now_ns();
+    struct rpc_back * entry = &g_back[0];
+    for (int i = 0; i < RPC_BACK_MAX; i++) {
+        if (strcmp(g_back[i].endpoint, endpoint) == 0) {
+            entry = &g_back[i];
+            break;
+        }
+        entry = g_back[i].probed_ns < entry->probed_ns ? &g_back[i] : entry;
+    }
+    if (strcmp(entry->endpoint, endpoint) == 0 && entry->probed_ns != 0 && now - entry->probed_ns < RPC_BACK_INTERVAL_NS) {
+        const int up = entry->up;
+        pthread_mutex_unlock(&g_back_lock);
+        return up;
+    }
+    snprintf(entry->endpoint, sizeof(entry->endpoint), "%s", endpoint);
+    entry->probed_ns = now;
+    entry->up        = 0;
+    pthread_mutex_unlock(&g_back_lock);
+    char err[512];
+    const int up = probe_endpoint(endpoint, RPC_BACK_WAIT_MS, err, sizeof(err)) == 0;
+    pthread_mutex_lock(&g_back_lock);
+    if (strcmp(entry->endpoint, endpoint) == 0) {
+        entry->up = up;
+    }
+    pthread_mutex_unlock(&g_back_lock);
+    return up;
+}
 
 int32_t empanel_rpc_hosts_back(const char * endpoints) {
     if (endpoints == NULL || *endpoints == '\0' || rpc()->reg == NULL || !rpc()->found) {
-        return 0;
-    }
-    pthread_mutex_lock(&g_back_lock);
-    const uint64_t now = empanel_util_now_ns();
-    const int due = g_back_last_ns == 0 || now - g_back_last_ns >= RPC_BACK_INTERVAL_NS;
-    if (due) {
-        g_back_last_ns = now;
-    }
-    pthread_mutex_unlock(&g_back_lock);
-    if (!due) {
         return 0;
     }
     char list[4096];
     snprintf(list, sizeof(list), "%s", endpoints);
     char * save = NULL;
     for (char * endpoint = strtok_r(list, ",", &save); endpoint != NULL; endpoint = strtok_r(NULL, ",", &save)) {
-        char err[512];
-        if (probe_endpoint(endpoint, RPC_BACK_WAIT_MS, err, sizeof(err)) != 0) {
+        if (!endpoint_back(endpoint)) {
             return 0;
         }
     }
@@ -413,28 +442,40 @@ static int probe_list(char * list, char ** todo, int * n_todo, int * n_endpoints
 }
 
 // register the probed endpoints todo [n_todo] with ggml (add: ggml_backend_rpc_add_server) and
-// list them in g_added; *n_devices: the devices they offer. 0, or -1 with the reason in err.
-// Under g_added_lock
+// list them in g_added; *n_devices: the devices they offer. Everything that can fail comes first
+// (each endpoint's backend, the list's memory), so a failure registers none of them: 0, or -1 with
+// the reason in err. Under g_added_lock
 static int register_list(rpc_add_server_fn add, char ** todo, int n_todo, int32_t * n_devices, char * err,
                          size_t err_size) {
-    for (int i = 0; i < n_todo; i++) {
-        ggml_backend_reg_t reg = add(todo[i]);
-        if (reg == NULL) {
-            empanel_util_format_err(err, err_size, "RPC server %s offers no devices", todo[i]);
-            return -1;
-        }
-        ggml_backend_register(reg);
-        *n_devices += (int32_t) ggml_backend_reg_dev_count(reg);
-        char ** grown = realloc(g_added, sizeof(char *) * (g_added_n + 1));
-        if (grown == NULL || (grown[g_added_n] = strdup(todo[i])) == NULL) {
-            g_added = grown != NULL ? grown : g_added;
-            empanel_util_format_err(err, err_size, "empanel: out of memory");
-            return -1;
-        }
-        g_added = grown;
-        g_added_n++;
+    ggml_backend_reg_t * regs  = calloc((size_t) n_todo + 1, sizeof(ggml_backend_reg_t));
+    char **              names = calloc((size_t) n_todo + 1, sizeof(char *));
+    char **              grown = realloc(g_added, sizeof(char *) * (size_t) (g_added_n + n_todo + 1));
+    int status = regs != NULL && names != NULL && grown != NULL ? 0 : -1;
+    g_added = grown != NULL ? grown : g_added;
+    if (status != 0) {
+        empanel_util_format_err(err, err_size, "empanel: out of memory");
     }
-    return 0;
+    for (int i = 0; i < n_todo && status == 0; i++) {
+        if ((regs[i] = add(todo[i])) == NULL) {
+            empanel_util_format_err(err, err_size, "RPC server %s offers no devices", todo[i]);
+            status = -1;
+        } else if ((names[i] = strdup(todo[i])) == NULL) {
+            empanel_util_format_err(err, err_size, "empanel: out of memory");
+            status = -1;
+        }
+    }
+    for (int i = 0; i < n_todo && status == 0; i++) {
+        ggml_backend_register(regs[i]);
+        *n_devices += (int32_t) ggml_backend_reg_dev_count(regs[i]);
+        g_added[g_added_n++] = names[i];
+        names[i] = NULL;
+    }
+    for (int i = 0; names != NULL && i < n_todo; i++) {
+        free(names[i]);
+    }
+    free(names);
+    free(regs);
+    return status;
 }
 
 int32_t empanel_rpc_add_servers(const char * servers, char * err, size_t err_size) {

@@ -15,7 +15,8 @@ uint64_t empanel_rpc_hash(const void * data, uint64_t size);
 // slot `slot` from the host's cache: 1 it had the bytes of `hash` and wrote them, 0 it did not
 int      empanel_rpc_write_by_hash(void * pool_tensor, int32_t slot, uint64_t hash);
 // n such writes (pool_tensors[j], slots[j], hashes[j]) in one round trip per server: their
-// requests go back to back, the answers are read after; ok[j] as above. Returns how many wrote
+// requests go back to back, the answers are read after; ok[j] 1 written, 0 not held, 2 not
+// answered (the host's connection failed). Returns how many wrote
 int32_t  empanel_rpc_write_by_hash_many(void ** pool_tensors, const int32_t * slots, const uint64_t * hashes, int32_t n,
                                         uint8_t * ok);
 // the bytes into slot `slot`, kept in the host's cache if it has one; 0 or -1

@@ -121,14 +121,16 @@ void empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n) {
     }
 }
 
-void empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
+int empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
+    int refused = 0;
     for (int32_t i = 0; i < layer->n_tensors; i++) {
         struct empanel_tensor * t = &layer->tensors[i];
         if (t->host != NULL) {
-            empanel_backend_memory_release(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0);
+            refused |= empanel_backend_memory_release(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0) < 0;
             t->held[slot] = -1;
         }
     }
+    return refused ? -1 : 0;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -167,8 +169,8 @@ static int evictable(const struct empanel_pool * pool, int32_t e, uint64_t keep)
 
 // slot s of the layer, which the tables say holds an expert, holds nothing from now on: the
 // tables forget it (taken first by its layer), the budget no longer counts it and its pages go
-// back to the kernel (host pools)
-static void empty_slot(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s) {
+// back to the kernel (host pools); -1 if the kernel refused them (pinned memory), else 0
+static int empty_slot(struct empanel_pool * pool, struct empanel_layer * layer, int32_t s) {
     struct empanel_tables * tb = &layer->tables;
     empanel_slots_recent_unlink(pool, layer->lru_base + s);
     tb->slot_of[tb->expert_in[s]] = -1;
@@ -177,16 +179,17 @@ static void empty_slot(struct empanel_pool * pool, struct empanel_layer * layer,
     tb->uses[s]      = 0;
     pool->budget.resident_bytes -= layer->expert_bytes;
     empanel_slots_drop_prefetch(layer, s);
-    empanel_slots_release(layer, s);
+    return empanel_slots_release(layer, s);
 }
 
 // entry e leaves its slot (empty_slot); bytes freed while over the budget count as given back
+// where the kernel took the pages
 static void evict(struct empanel_pool * pool, int32_t e) {
     struct empanel_layer * layer = &pool->layers[pool->budget.entry_layer[e]];
-    if (pool->budget.resident_bytes > pool->budget.bytes) {
+    const int over = pool->budget.resident_bytes > pool->budget.bytes;
+    if (empty_slot(pool, layer, e - layer->lru_base) == 0 && over) {
         pool->budget.given_back_bytes += layer->expert_bytes;
     }
-    empty_slot(pool, layer, e - layer->lru_base);
 }
 
 // evict least recent experts of any layer that may leave (evictable) until `need` more bytes fit
@@ -248,7 +251,7 @@ void empanel_slots_reconcile(struct empanel_pool * pool, struct empanel_layer * 
             held = layer->tensors[i].held[s] == e;
         }
         if (e >= 0 && !held) {
-            empty_slot(pool, layer, s); // the budget no longer counts it: neither does memory
+            (void) empty_slot(pool, layer, s); // the budget no longer counts it: neither does memory
         }
     }
     layer->waves.open        = 0;

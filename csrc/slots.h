@@ -28,8 +28,9 @@ void    empanel_slots_hold_misses(struct empanel_pool * pool, struct empanel_lay
 void    empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n);
 // one micro-batch done in n_waves waves: the decay clock ticks (the layer's own, not its statistics)
 void    empanel_slots_end_batch(struct empanel_pool * pool, struct empanel_layer * layer, int32_t n_waves);
-// slot `slot` of the layer holds nothing: host pools give its pages back
-void    empanel_slots_release(struct empanel_layer * layer, int32_t slot);
+// slot `slot` of the layer holds nothing: host pools give its pages back; -1 if the kernel refused
+// them (pinned memory), else 0
+int     empanel_slots_release(struct empanel_layer * layer, int32_t slot);
 // slot s stops holding what a read-ahead put there before its micro-batch came: wasted bytes
 void    empanel_slots_drop_prefetch(struct empanel_layer * layer, int32_t s);
 // the live guess of a layer is spent by the remap of its n distinct experts (in tables.distinct)

@@ -46,6 +46,7 @@ struct direction {
     struct chunk * head, * tail;
     size_t queued; // bytes
     int    eof;
+    int    closed; // the writer could not send: the reader stops too, even while it waits for room
 };
 
 static uint64_t now_ns(void) {
@@ -76,8 +77,13 @@ static void * reader(void * arg) {
         c->len = (size_t) n;
         c->due_ns = now_ns() + g_delay_ns;
         c->next = NULL;
-        while (d->queued >= QUEUE_BYTES) {
+        while (d->queued >= QUEUE_BYTES && !d->closed) {
             pthread_cond_wait(&d->cv, &d->mu);
+        }
+        if (d->closed) {
+            free(c);
+            pthread_mutex_unlock(&d->mu);
+            return NULL;
         }
         if (d->tail != NULL) {
             d->tail->next = c;
@@ -119,8 +125,19 @@ static void * writer(void * arg) {
         sleep_until(start);
         for (size_t off = 0; off < c->len;) {
             ssize_t n = send(d->to, c->data + off, c->len - off, MSG_NOSIGNAL);
-            if (n <= 0) {
+            if (n <= 0) { // the receiver is gone: the queue is dropped and the reader woken to stop
                 free(c);
+                pthread_mutex_lock(&d->mu);
+                d->closed = 1;
+                while (d->head != NULL) {
+                    struct chunk * next = d->head->next;
+                    free(d->head);
+                    d->head = next;
+                }
+                d->tail   = NULL;
+                d->queued = 0;
+                pthread_cond_broadcast(&d->cv);
+                pthread_mutex_unlock(&d->mu);
                 shutdown(d->from, SHUT_RD);
                 return NULL;
             }

@@ -197,6 +197,19 @@ def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, 
         assert two_servers.cached_files(i), f"server {i} cached nothing"
 
 
+def test_hosts_back_answers_every_caller_within_its_second(two_servers):
+    """Two models asking within one second whether their lost hosts answer again both hear it
+    (63-15: the probe ran once a second for the whole process, and the second caller got 0, which
+    Llama raises as RpcError); a host that is not there is not back."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from empanel_gguf.engine.rpc import hosts_back
+        endpoints = sys.argv[1].split(",")
+        print(hosts_back(endpoints), hosts_back(endpoints), hosts_back(endpoints[:1]), hosts_back(["127.0.0.1:9"]))
+        """), two_servers.servers], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["True", "True", "True", "False"], result.stdout + result.stderr[-2000:]
+
+
 def test_server_without_cache_gets_bytes(tmp_path):
     """A server started without -c keeps nothing: the hash it is asked for is refused, the pools
     on it go back to sending bytes, and the logits are still exact."""
@@ -575,18 +588,25 @@ def test_rpc_build_keeps_cpu_host_pools_unmasked(tmp_path):
     assert "masked: 0" in proc.stdout, proc.stdout
 
 
-def test_link_proxy_delivers_in_order_after_its_delay(tmp_path):
-    """scripts/rpc_link.c, the bench's link (bench_rpc.py --links): 4 MiB through a 10 ms round
-    trip at 1 Gbit/s arrive intact and in order, no sooner than the link allows; SIGTERM reports
-    its CPU time. (Lower bounds only: a busy machine may deliver later, never sooner.)"""
+def build_link(tmp_path):
+    """scripts/rpc_link.c compiled into tmp_path (skipped without a C compiler)."""
     import shutil
-    import threading
 
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "rpc_link"
     subprocess.run(["cc", "-O2", "-pthread", str(Path(__file__).parent.parent / "scripts" / "rpc_link.c"), "-o",
                     str(exe)], check=True)
+    return exe
+
+
+def test_link_proxy_delivers_in_order_after_its_delay(tmp_path):
+    """scripts/rpc_link.c, the bench's link (bench_rpc.py --links): 4 MiB through a 10 ms round
+    trip at 1 Gbit/s arrive intact and in order, no sooner than the link allows; SIGTERM reports
+    its CPU time. (Lower bounds only: a busy machine may deliver later, never sooner.)"""
+    import threading
+
+    exe = build_link(tmp_path)
     server = socket.create_server(("127.0.0.1", 0))
 
     def echo():
@@ -625,3 +645,48 @@ def test_link_proxy_delivers_in_order_after_its_delay(tmp_path):
         out = proxy.communicate(timeout=30)[0]
         server.close()
     assert re.search(r"cpu_s \d+\.\d+", out), out
+
+
+def test_link_proxy_lets_go_when_the_receiver_is_gone(tmp_path):
+    """scripts/rpc_link.c: a receiver that closes while the link's queue is full (8 MiB waiting on
+    a 1 s delay) ends the connection: its threads end and the sender's socket is closed (63-16:
+    the reader waited for room for ever, its threads and sockets leaked)."""
+    import threading
+
+    exe = build_link(tmp_path)
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def close_at_once():
+        conn, _ = server.accept()
+        conn.close()
+
+    threading.Thread(target=close_at_once, daemon=True).start()
+    port = free_port()
+    proxy = subprocess.Popen([str(exe), str(port), str(server.getsockname()[1]), "1000000", "0", "120"],
+                             stdout=subprocess.PIPE, text=True)
+    flood_error = []
+    try:
+        assert proxy.stdout.readline().strip() == "listening"
+        conn = socket.create_connection(("127.0.0.1", port))
+
+        def flood():  # more than the queue holds, until the proxy lets go of the connection
+            try:
+                block = os.urandom(1 << 20)
+                for _ in range(64):
+                    conn.sendall(block)
+            except OSError as e:
+                flood_error.append(e)
+
+        sender = threading.Thread(target=flood, daemon=True)
+        sender.start()
+        t0 = time.monotonic()
+        tasks = lambda: len(os.listdir(f"/proc/{proxy.pid}/task"))  # noqa: E731
+        while (tasks() > 1 or sender.is_alive()) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert tasks() == 1, "the proxy's connection threads are still there"  # (its listener alone)
+        assert flood_error, "the sender's socket was never closed"
+        conn.close()
+    finally:
+        proxy.terminate()
+        proxy.communicate(timeout=30)
+        server.close()
