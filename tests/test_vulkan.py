@@ -280,3 +280,34 @@ def test_host_tier_serves_device_misses_bit_identical(tmp_path):
             assert row["second_read"] == 0, (key, row)
     # 1 MiB holds 8 of qwen3moe-q4_k's 16 experts: some misses come from the tier, others from the drive
     assert out["qwen3moe-q4_k 1MiB"]["second_read"] > 0, out
+
+
+def test_pools_in_a_pinned_host_buffer_keep_their_memory_and_say_so(tmp_path):
+    """n_gpu_layers=0 on a GPU build: llama.cpp puts the CPU layers' weights, pools too, in the GPU
+    backend's pinned host buffer, whose pages madvise does not give back. Such pools are fixed and
+    say why (moe_elastic too): a budget set lower is refused, where before the evicted experts were
+    counted as given back while the memory stayed charged (63-1)."""
+    code = textwrap.dedent("""
+        import json, sys
+        from empanel_gguf import Llama
+        from empanel_gguf.models import fixtures
+        path = fixtures.write_fixture("qwen3moe-f16", sys.argv[1])
+        llm = Llama(str(path), n_ctx=128, n_gpu_layers=0, verbose=False, moe_slots="50%", moe_elastic=True)
+        llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog"))
+        budget = llm.moe_stats()["budget"]
+        try:
+            llm.moe_set_budget(budget["floor_bytes"])
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        print(json.dumps({"budget": budget, "refused": refused}))
+        llm.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=vulkan_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    budget = out["budget"]
+    assert budget["fixed"] and not budget["elastic"] and budget["given_back_bytes"] == 0, out
+    assert out["refused"] is not None and "pinned host buffer" in out["refused"], out
+    assert "pinned host buffer" in proc.stderr, proc.stderr[-3000:]
