@@ -456,11 +456,13 @@ EMPANEL_API void    empanel_program_close(struct empanel_load * load);
 EMPANEL_API size_t empanel_program_metrics(char * buf, size_t size);
 
 // Prometheus text (format 0.0.4), written by the sidecar alone for every face (llama.cpp's
-// programs above, `empanel-gguf serve`): the per-layer families of EMPANEL_LAYER_COUNTERS that name
-// a metric, a series per paged layer of pools[i] labeled model=models[i] (escaped as
-// empanel_metrics_label does), into buf [size] as above; returns the length of the whole text
-EMPANEL_API size_t empanel_metrics_layers(struct empanel_pool * const * pools, const char * const * models,
-                                          int32_t n, char * buf, size_t size);
+// programs above, `empanel-gguf serve`): empanel_slot_pools of each model (pools[i] NULL: a model
+// without pools, 0), the per-layer families of EMPANEL_LAYER_COUNTERS that name a metric (a series
+// per paged layer) and the budget's series, empanel_hit_rate, empanel_rpc_reloads_total; labeled
+// model=models[i] (escaped as empanel_metrics_label does), into buf [size] as above; returns the
+// length of the whole text
+EMPANEL_API size_t empanel_metrics_pools(struct empanel_pool * const * pools, const char * const * models,
+                                         int32_t n, char * buf, size_t size);
 // a label value escaped as the text format wants it (backslash, double quote and newline as
 // backslash-backslash, backslash-quote, backslash-n) into buf [size] (NUL-terminated, truncated);
 // returns the length of the whole escaped value

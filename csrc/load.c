@@ -44,7 +44,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 static pthread_mutex_t       g_loads_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct empanel_load * g_loads      = NULL;
 
@@ -276,7 +275,7 @@ size_t empanel_load_metrics(char * buf, size_t size) {
             pools[i]  = p->pool;
             models[i] = p->plan.model;
         }
-        len = empanel_metrics_programs(pools, models, n, buf, size);
+        len = empanel_metrics_pools(pools, models, n, buf, size);
     } else if (buf != NULL && size > 0) {
         buf[0] = '\0';
     }

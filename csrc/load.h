@@ -18,5 +18,5 @@ struct empanel_load {
 };
 
 // the Prometheus text of every open load (model: the plan's model path) into buf [size], as
-// empanel_metrics_programs writes it; the length of the whole text
+// empanel_metrics_pools writes it; the length of the whole text
 size_t empanel_load_metrics(char * buf, size_t size);

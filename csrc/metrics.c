@@ -1,8 +1,9 @@
 // What the counters say, written out: the stats file's JSON line of a load (load.c) and the
 // Prometheus text (format 0.0.4) of pools' counters. One writer for both faces: llama.cpp's
 // programs (llama-server's /metrics through empanel_program_metrics) and `empanel-gguf serve`
-// (empanel_gguf/server.py through empanel_metrics_layers and empanel_metrics_label), so a series
-// and its labels read the same on either.
+// (empanel_gguf/server.py through empanel_metrics_pools and empanel_metrics_label), so a series
+// and its labels read the same on either; serve adds only what the sidecar does not know (its
+// sampler's recent rates, the guard's memory).
 
 #include "metrics.h"
 #include "budget.h"
@@ -166,42 +167,42 @@ void empanel_metrics_families(struct empanel_text * t, struct empanel_pool * con
 #undef BUDGET_FAMILY
 }
 
-size_t empanel_metrics_layers(struct empanel_pool * const * pools, const char * const * models, int32_t n,
-                              char * buf, size_t size) {
+size_t empanel_metrics_pools(struct empanel_pool * const * pools, const char * const * models, int32_t n,
+                             char * buf, size_t size) {
     struct empanel_text t = { buf, size, 0 };
     if (buf != NULL && size > 0) {
         buf[0] = '\0';
     }
-    empanel_metrics_families(&t, pools, models, n);
-    return t.len;
-}
-
-size_t empanel_metrics_programs(struct empanel_pool * const * pools, const char * const * models, int32_t n,
-                                char * buf, size_t size) {
-    struct empanel_text t = { buf, size, 0 };
-    if (buf != NULL && size > 0) {
-        buf[0] = '\0';
-    }
+    // the models with pools, for the families (pools[i] NULL: a model without them)
+    struct empanel_pool * with[EMPANEL_METRICS_MAX_MODELS];
+    const char *          named[EMPANEL_METRICS_MAX_MODELS];
+    int32_t               n_with = 0;
     empanel_metrics_add(&t, "# HELP empanel_slot_pools 1 if the model runs with expert slot pools.\n"
                             "# TYPE empanel_slot_pools gauge\n");
     for (int32_t p = 0; p < n; p++) {
         empanel_metrics_add(&t, "empanel_slot_pools{model=\"");
         add_label(&t, models[p]);
-        empanel_metrics_add(&t, "\"} 1\n");
+        empanel_metrics_add(&t, "\"} %d\n", pools[p] != NULL);
+        if (pools[p] != NULL && n_with < EMPANEL_METRICS_MAX_MODELS) {
+            with[n_with]    = pools[p];
+            named[n_with++] = models[p];
+        }
     }
-    empanel_metrics_families(&t, pools, models, n);
-    empanel_metrics_add(&t, "# HELP empanel_hit_rate Expert hit rate since the model was loaded.\n"
-                            "# TYPE empanel_hit_rate gauge\n");
-    for (int32_t p = 0; p < n; p++) {
+    if (n_with > 0) {
+        empanel_metrics_families(&t, with, named, n_with);
+        empanel_metrics_add(&t, "# HELP empanel_hit_rate Expert hit rate since the model was loaded.\n"
+                                "# TYPE empanel_hit_rate gauge\n");
+    }
+    for (int32_t p = 0; p < n_with; p++) {
         uint64_t hits = 0, misses = 0;
-        for (int32_t il = 0; il < pools[p]->n_layer; il++) {
+        for (int32_t il = 0; il < with[p]->n_layer; il++) {
             struct empanel_layer_stats s;
-            empanel_stats_get(pools[p], il, &s);
+            empanel_stats_get(with[p], il, &s);
             hits   += s.hits;
             misses += s.misses;
         }
         empanel_metrics_add(&t, "empanel_hit_rate{model=\"");
-        add_label(&t, models[p]);
+        add_label(&t, named[p]);
         empanel_metrics_add(&t, "\"} %.10g\n", hits + misses > 0 ? (double) hits / (double) (hits + misses) : 0.0);
     }
     empanel_metrics_add(&t, "# HELP empanel_rpc_reloads_total Loads anew after a lost RPC host answered again.\n"

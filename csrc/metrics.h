@@ -1,7 +1,7 @@
 #pragma once
 
 // metrics.c: the counters written out: a load's stats JSON line and the Prometheus text of pools
-// (empanel_metrics_layers, empanel_metrics_label: empanel.h), one writer for llama.cpp's programs
+// (empanel_metrics_pools, empanel_metrics_label: empanel.h), one writer for llama.cpp's programs
 // and `empanel-gguf serve`
 
 #include "empanel.h"
@@ -26,7 +26,5 @@ void empanel_metrics_add(struct empanel_text * t, const char * fmt, ...) __attri
 // the per-layer families (HELP, TYPE, a series per paged layer of each pool, model=models[i])
 void empanel_metrics_families(struct empanel_text * t, struct empanel_pool * const * pools,
                               const char * const * models, int32_t n);
-// llama.cpp's programs' /metrics: empanel_slot_pools, the per-layer families, empanel_hit_rate
-// of each pool (model=models[i]) into buf [size]; returns the length of the whole text
-size_t empanel_metrics_programs(struct empanel_pool * const * pools, const char * const * models, int32_t n,
-                                char * buf, size_t size);
+// (empanel_metrics_pools, the text of both faces: empanel.h)
+#define EMPANEL_METRICS_MAX_MODELS 64 // models with pools one text lists

@@ -19,13 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
-
-
-
-
-
-
 // the misses of a micro-batch may be read while the layer computes: every tensor's MUL_MAT_ID
 // waited for its own reads last time (empanel_ready), and its pools are plain host memory that
 // the reads land in. CPU_REPACK pools are not: their readers repack every expert, and on two
@@ -150,16 +143,11 @@ static int32_t collect_distinct(struct empanel_pool * pool, struct empanel_layer
     return n;
 }
 
-
-
 static int compare_int32(const void * a, const void * b) {
     const int32_t x = *(const int32_t *) a;
     const int32_t y = *(const int32_t *) b;
     return (x > y) - (x < y);
 }
-
-
-
 
 // the n distinct experts: hits are used where they are, misses listed in layer->tables.misses; the
 // number of misses
@@ -286,7 +274,6 @@ static int plan_waves(struct empanel_pool * pool, struct empanel_layer * layer, 
     layer->waves.n    = w;
     return 0;
 }
-
 
 // pool == NULL: the micro-batch fits the pools; one remap for all the layer's tensors
 static int32_t remap_locked(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids,
@@ -556,7 +543,6 @@ int32_t empanel_remap(void * user, int32_t il, const void * pool_tensor, int32_t
     pthread_mutex_unlock(&pool->lock);
     return rc;
 }
-
 
 int32_t empanel_lab_access(struct empanel_pool * pool, int32_t il, const int32_t * expert_ids, int32_t n_used,
                            int32_t n_tokens) {

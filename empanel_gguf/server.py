@@ -33,7 +33,7 @@ from . import llama_cpp  # our libraries first
 from .planning.host_memory import available_memory, parse_floor, peak_rss
 from .planning.options import OPTIONS, moe_options
 from .planning.plan import BATCH_KWARGS, parse_moe_slots, plan_load, print_notices
-from .engine.pools import prometheus_label, prometheus_layers
+from .engine.pools import prometheus_label, prometheus_pools
 from .engine.stats import hit_rate
 from .llama import Llama as EmpanelLlama
 from .engine.rpc import use_servers as use_rpc_servers
@@ -316,8 +316,6 @@ def stats_json(proxy, sampler):
     return out
 
 
-
-
 def _label(value):
     return prometheus_label(value)  # escaped by the sidecar, as every label it writes (csrc/metrics.c)
 
@@ -339,26 +337,23 @@ def metrics_text(proxy, sampler):
             shown = str(value) if isinstance(value, int) else f"{float(value):.10g}"
             lines.append(f"{name}{{{text}}} {shown}" if text else f"{name} {shown}")
 
-    def layer_families():
-        # the per-layer series, written by the sidecar as for llama.cpp's programs (csrc/metrics.c),
-        # under the lock that keeps the model (and its pools) from changing meanwhile
+    def pool_families():
+        # the model's series, written by the sidecar as for llama.cpp's programs (csrc/metrics.c),
+        # under the lock that keeps the model (and its pools) from changing meanwhile (a model
+        # swapped since the snapshot, or the lock not had: its slot_pools line alone)
         if not proxy._swap.acquire(timeout=1.0):
-            return ""
+            return prometheus_pools([None], [data["model"]])
         try:
             alias, llm = proxy.current()
-            experts = getattr(llm, "_experts", None)
-            return prometheus_layers([experts], [alias]) if alias == data["model"] and experts is not None else ""
+            experts = getattr(llm, "_experts", None) if data["slot_pools"] and alias == data["model"] else None
+            return prometheus_pools([experts], [data["model"]])
         finally:
             proxy._swap.release()
 
-    metric("empanel_slot_pools", "gauge", "1 if the model runs with expert slot pools.",
-           [((("model", model),), 1 if data["slot_pools"] else 0)])
+    families = pool_families()
+    if families:
+        lines.append(families.rstrip("\n"))
     if data["slot_pools"]:
-        families = layer_families()
-        if families:
-            lines.append(families.rstrip("\n"))
-        metric("empanel_hit_rate", "gauge", "Expert hit rate since the model was loaded.",
-               [((("model", model),), data["total"]["hit_rate"])])
         recent = data.get("recent") or {}
         metric("empanel_read_bytes_per_second", "gauge",
                "Bytes of experts read per second over the last seconds (see window).",

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from empanel_gguf import Llama
-from empanel_gguf.engine.pools import memory_available
+from empanel_gguf.engine.native import native
+from empanel_gguf.engine.pools import memory_sources_c
 from empanel_gguf.models import fixtures
 from empanel_gguf.planning import host_memory
 from empanel_gguf.planning.index import load_index
@@ -45,6 +46,15 @@ def meminfo(tmp_path, available_kb):
     path.write_text(f"MemTotal:       16000000 kB\nMemFree:         100 kB\nMemAvailable:   {available_kb} kB\n"
                     "Buffers:           0 kB\n")
     return {"available": str(path), "available_key": "MemAvailable"}
+
+
+def memory_available(sources):
+    """The memory `sources` leave as the sidecar's controller reads them (bytes; None: none could
+    be read)."""
+    n = native()
+    structs, keep = memory_sources_c(n, sources)
+    left = n.sidecar.empanel_memory_available(structs, len(sources))
+    return None if left == (1 << 64) - 1 else left
 
 
 def python_left(sources):

@@ -288,6 +288,21 @@ def test_counters_are_declared_once():
         assert not listing.search(path.read_text()), f"{path} lists the counters again"
 
 
+def test_prometheus_series_have_one_writer():
+    """Every Prometheus family the sidecar writes (csrc/metrics.c: llama.cpp's programs and serve
+    alike) is written there alone: no Python source names one as a family it writes itself
+    (serve once wrote empanel_slot_pools and empanel_hit_rate beside the sidecar)."""
+    from empanel_gguf.abi.header import COUNTERS
+
+    c_text = (REPO / "csrc" / "metrics.c").read_text()
+    families = {c.metric for c in COUNTERS if c.metric} | set(re.findall(r"# TYPE empanel_(\w+) ", c_text)) | set(re.findall(r'X\(\w+,\s*\w+,\s*"(\w+)"', c_text))
+    assert {"slot_pools", "hit_rate", "rpc_reloads_total", "budget_bytes"} <= families, families
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for family in families:
+            assert not re.search(rf"[\"']empanel_{family}[\"'{{ ]", text), f"{path} writes empanel_{family} itself"
+
+
 def test_pins_equal_the_hook_header():
     """abi/pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
     plain pools are placed by) are the header's."""

@@ -14,7 +14,6 @@ from empanel_gguf.planning.format import format_bytes
 from empanel_gguf.planning.index import ModelError, ModelIndex, load_index
 
 
-
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     if parser is None:
         parser = argparse.ArgumentParser(prog="empanel-gguf inspect", description=__doc__.splitlines()[0])

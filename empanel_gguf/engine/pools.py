@@ -4,8 +4,8 @@
                   load steps (csrc/load.c, as for llama.cpp's programs); stats, trace, errors
     LabPool       a pool without files (empanel_lab_init): the engine's own policy code replayed
                   over routing calls, for the policy lab (lab/policies.py, lab/replay.py)
-    prometheus_layers, prometheus_label
-                  the sidecar's Prometheus text of pools' per-layer counters and its label escape
+    prometheus_pools, prometheus_label
+                  the sidecar's Prometheus text of models' pools and its label escape
                   (csrc/metrics.c: the one writer, llama.cpp's programs' /metrics too)
 """
 
@@ -253,15 +253,15 @@ def _sidecar_text(write):
         size = n + 4096  # (the counters grew meanwhile: try again)
 
 
-def prometheus_layers(pools, models):
-    """Prometheus text of the per-layer counter families of ExpertPools pools[i], labeled
-    model=models[i]: written by the sidecar (csrc/metrics.c), the one writer llama.cpp's programs'
-    /metrics use too."""
+def prometheus_pools(pools, models):
+    """Prometheus text of models[i] and its ExpertPools pools[i] (None: a model without them):
+    empanel_slot_pools, the per-layer and budget families, empanel_hit_rate, the RPC reloads;
+    written by the sidecar (csrc/metrics.c), the one writer llama.cpp's programs' /metrics use too."""
     n = native()
-    handles = n.ffi.new("struct empanel_pool *[]", [p.pool for p in pools])
+    handles = n.ffi.new("struct empanel_pool *[]", [p.pool if p is not None else n.ffi.NULL for p in pools])
     names = [n.ffi.new("char[]", str(m).encode()) for m in models]
     labels = n.ffi.new("const char *[]", names)
-    return _sidecar_text(lambda buf, size: n.sidecar.empanel_metrics_layers(handles, labels, len(pools), buf, size))
+    return _sidecar_text(lambda buf, size: n.sidecar.empanel_metrics_pools(handles, labels, len(pools), buf, size))
 
 
 def prometheus_label(value):
@@ -286,12 +286,3 @@ def memory_sources_c(n, sources):
                 keep.append(n.ffi.new("char[]", str(source[key]).encode()))
                 setattr(structs[i], field, keep[-1])
     return structs, keep
-
-
-def memory_available(sources):
-    """The memory `sources` leave as the sidecar's controller reads it (bytes; None: none could be
-    read)."""
-    n = native()
-    structs, keep = memory_sources_c(n, sources)
-    left = n.sidecar.empanel_memory_available(structs, len(sources))
-    return None if left == (1 << 64) - 1 else left

@@ -46,7 +46,6 @@ class Call:
     rows: object = None  # [n_tokens, k] the call's expert ids per token (None: no tokens)
 
 
-
 def build_calls(trace, max_tokens=None, count="decode"):
     """The remap calls of the trace: micro-batches as recorded, split into at most `max_tokens`
     tokens each (None: as recorded). Returns (calls, number of micro-batches split)."""

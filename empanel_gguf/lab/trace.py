@@ -76,7 +76,6 @@ ARRAYS = ("experts", "prompt", "tokens", "segment", "ubatch", "calls")
 OPTIONAL = ("guesses",)
 
 
-
 class TraceError(ValueError):
     """A trace file or a routing record that cannot be used."""
 

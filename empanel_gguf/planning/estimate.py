@@ -49,7 +49,6 @@ _KV_TYPE_BYTES = {0: 4.0, 1: 2.0, 30: 2.0, 8: 34 / 32, 2: 18 / 32, 3: 20 / 32, 6
                   20: 18 / 32}  # F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
 
 
-
 @dataclass
 class Shape:
     """The model dimensions the estimate needs, from the GGUF metadata."""
