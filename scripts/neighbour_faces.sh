@@ -1,5 +1,6 @@
 #!/bin/bash
-# A 512 MiB neighbour through `empanel-gguf run` and llama-server, in a memory cgroup of 40 % of
+# A 512 MiB neighbour through `empanel-gguf run`, llama-server and `empanel-gguf serve` (the
+# [server] extra), in a memory cgroup of 40 % of
 # the model file (root, cgroup v1): both live, the text equals a run without it, the budget moved
 # (docs/reliability.md). Needs llama.cpp's programs (-DEMPANEL_PROGRAMS=ON).
 set -u
@@ -35,5 +36,17 @@ req > /tmp/srv-alone.out
 req > /tmp/srv-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
 cmp /tmp/srv-alone.out /tmp/srv-nb.out && echo "llama-server: the same text"
 curl -s localhost:8091/metrics | grep -E "^empanel_budget_(shrinks|grows|given_back|lowest|elastic)" 
+kill $(cat $CG/cgroup.procs) 2>/dev/null; wait $S 2>/dev/null; sleep 2
+rmdir $CG
+
+echo "== serve"; setup
+incg python -m empanel_gguf serve $M --moe_slots auto --port 8092 --n_ctx 1024 --n_threads 2 > /tmp/serve.out 2> /tmp/serve.err & S=$!
+for i in $(seq 90); do curl -s localhost:8092/v1/models | grep -q '"data"' && break; sleep 1; done
+sreq() { curl -s localhost:8092/v1/completions -H 'Content-Type: application/json' -d "{\"prompt\": \"$PROMPT\", \"max_tokens\": 64, \"temperature\": 0}" | python3 -c "import json,sys; print(json.load(sys.stdin)['choices'][0]['text'])"; }
+sreq > /tmp/serve-alone.out
+(sleep 3; incg python3 -c "$NB" 8) & N=$!
+sreq > /tmp/serve-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
+cmp /tmp/serve-alone.out /tmp/serve-nb.out && echo "serve: the same text"
+curl -s localhost:8092/metrics | grep -E "^empanel_budget_(shrinks|grows|given_back|lowest|elastic)"
 kill $(cat $CG/cgroup.procs) 2>/dev/null; wait $S 2>/dev/null; sleep 2
 rmdir $CG
