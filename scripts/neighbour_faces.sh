@@ -43,6 +43,7 @@ echo "== serve"; setup
 incg python -m empanel_gguf serve $M --moe_slots auto --port 8092 --n_ctx 1024 --n_threads 2 > /tmp/serve.out 2> /tmp/serve.err & S=$!
 for i in $(seq 90); do curl -s localhost:8092/v1/models | grep -q '"data"' && break; sleep 1; done
 sreq() { curl -s localhost:8092/v1/completions -H 'Content-Type: application/json' -d "{\"prompt\": \"$PROMPT\", \"max_tokens\": 64, \"temperature\": 0}" | python3 -c "import json,sys; print(json.load(sys.stdin)['choices'][0]['text'])"; }
+sreq > /dev/null  # (llama-cpp-python reuses the prompt it holds: both compared requests do)
 sreq > /tmp/serve-alone.out
 (sleep 3; incg python3 -c "$NB" 8) & N=$!
 sreq > /tmp/serve-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
