@@ -83,6 +83,8 @@ def env_arg(parser, *flags, env, default=None, help="", show_default=None, **kwa
     shown = show_default if show_default is not None else default
     if raw not in (None, ""):
         shown = raw
+    if isinstance(shown, bool):
+        shown = "on" if shown else "off"  # as the values are written (--moe-direct-io on|off)
     shown = str(shown).replace("%", "%%")  # argparse %-formats help texts
     parser.add_argument(*flags, default=default, help=f"{help} (default: {shown}, env: {env})", **kwargs)
 
