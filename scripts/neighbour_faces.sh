@@ -27,27 +27,27 @@ wait $P; echo "run rc $?"; wait $N; echo "neighbour rc $? kills $(kills)"
 cmp /tmp/run-alone.out /tmp/run-nb.out && echo "run: the same text"
 grep -E "budget|decode" /tmp/run-nb.err | tail -3
 
+# a server face: ask ($2, a request function) once alone, then again while the neighbour holds
+# its memory; the same text, nobody killed, the budget's moves from its /metrics (port $3)
+compare_with_neighbour() {
+    $2 > /tmp/$1-alone.out
+    (sleep 3; incg python3 -c "$NB" 8) & N=$!
+    $2 > /tmp/$1-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
+    cmp /tmp/$1-alone.out /tmp/$1-nb.out && echo "$1: the same text"
+    curl -s localhost:$3/metrics | grep -E "^empanel_budget_(shrinks|grows|given_back|lowest|elastic)"
+    kill $(cat $CG/cgroup.procs) 2>/dev/null; wait $S 2>/dev/null; sleep 2
+    rmdir $CG
+}
+
 echo "== llama-server"; setup
 incg python -m empanel_gguf llama-server -m $M --moe-slots auto --port 8091 -c 1024 -t 2 --metrics > /tmp/srv.out 2> /tmp/srv.err & S=$!
 for i in $(seq 60); do curl -s localhost:8091/health | grep -q ok && break; sleep 1; done
 req() { curl -s localhost:8091/completion -d "{\"prompt\": \"$PROMPT\", \"n_predict\": 64, \"temperature\": 0, \"cache_prompt\": false}" | python3 -c "import json,sys; print(json.load(sys.stdin)['content'])"; }
-req > /tmp/srv-alone.out
-(sleep 3; incg python3 -c "$NB" 8) & N=$!
-req > /tmp/srv-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
-cmp /tmp/srv-alone.out /tmp/srv-nb.out && echo "llama-server: the same text"
-curl -s localhost:8091/metrics | grep -E "^empanel_budget_(shrinks|grows|given_back|lowest|elastic)" 
-kill $(cat $CG/cgroup.procs) 2>/dev/null; wait $S 2>/dev/null; sleep 2
-rmdir $CG
+compare_with_neighbour llama-server req 8091
 
 echo "== serve"; setup
 incg python -m empanel_gguf serve $M --moe_slots auto --port 8092 --n_ctx 1024 --n_threads 2 > /tmp/serve.out 2> /tmp/serve.err & S=$!
 for i in $(seq 90); do curl -s localhost:8092/v1/models | grep -q '"data"' && break; sleep 1; done
 sreq() { curl -s localhost:8092/v1/completions -H 'Content-Type: application/json' -d "{\"prompt\": \"$PROMPT\", \"max_tokens\": 64, \"temperature\": 0}" | python3 -c "import json,sys; print(json.load(sys.stdin)['choices'][0]['text'])"; }
 sreq > /dev/null  # (llama-cpp-python reuses the prompt it holds: both compared requests do)
-sreq > /tmp/serve-alone.out
-(sleep 3; incg python3 -c "$NB" 8) & N=$!
-sreq > /tmp/serve-nb.out; wait $N; echo "neighbour rc $? kills $(kills)"
-cmp /tmp/serve-alone.out /tmp/serve-nb.out && echo "serve: the same text"
-curl -s localhost:8092/metrics | grep -E "^empanel_budget_(shrinks|grows|given_back|lowest|elastic)"
-kill $(cat $CG/cgroup.procs) 2>/dev/null; wait $S 2>/dev/null; sleep 2
-rmdir $CG
+compare_with_neighbour serve sreq 8092
