@@ -107,9 +107,9 @@ struct empanel_reader {
     int             bounce_all;   // every chunk through the bounce buffer, none in place (EMPANEL_READ_BOUNCE=1:
                                   // the copies zero-copy reads save, measured side by side)
     int             beside;       // the two lanes may be in flight at once (EMPANEL_READ_AHEAD_BESIDE=0: a
-                                  // read-ahead waits for the demand lane, as before, measured side by side)
+                                  // read-ahead waits for the demand lane: the other way, to measure against)
     int             drop_ahead;   // read-ahead not routed is dropped (EMPANEL_READ_AHEAD_KEEP=1: read whole,
-                                  // as before, measured side by side)
+                                  // the other way, to measure against)
     struct empanel_pool * pool;
 
     pthread_mutex_t mutex;

@@ -5,8 +5,8 @@
 //   the kernel reclaims in vain       down at once by a step: the reserve, 1.5 times the last step
 //   where the files show room         at each further event within 1 s (cgroup v1
 //                                     memory.pressure_level, "critical": the group's reclaim finds
-//                                     little to take; doubling overshot to the floor on the 48-layer
-//                                     model, 60 % -> 40 % of the file)
+//                                     little to take; steps that double overshoot to the floor,
+//                                     docs/performance.md)
 //   left > 1.75 reserves + promised   up, 2 s after the last move down and 0.5 s after the last move
 //                                     up, to leave 1.5 reserves free once the budget is filled
 //                                     (promised: budget not yet filled, which reads will take), never
@@ -14,7 +14,7 @@
 //
 // so moves down and up both leave 1.5 reserves free and the budget does not swing: the next move
 // down needs another half of the reserve taken by someone else, the next move up a quarter of it
-// freed (docs/reliability.md has what narrower bands did). The events are how a limit lowered
+// freed (narrower bands swing: docs/reliability.md). The events are how a limit lowered
 // under what the group holds gets through: cgroup v1 refuses such a write (EBUSY) after one
 // reclaim pass and leaves the limit file as it was, so no reading of the files sees it, but the
 // pass is heard; the writer's next try succeeds once the pools gave back. Which files tell the

@@ -22,8 +22,8 @@
 // the misses of a micro-batch may be read while the layer computes: every tensor's MUL_MAT_ID
 // waited for its own reads last time (empanel_ready), and its pools are plain host memory that
 // the reads land in. CPU_REPACK pools are not: their readers repack every expert, and on two
-// cores that CPU taken from the compute cost more than the overlap gave (decode 1.0 vs 1.5 t/s
-// on the 48-layer 30B shape under the cap, docs/performance.md)
+// cores that CPU taken from the compute costs more than the overlap gives (docs/performance.md,
+// Layouts)
 static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer) {
     if (!layer->ready.armed || pool->config.lab || empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL)) {
         return 0;

@@ -13,7 +13,7 @@ For a file at hand, `empanel-gguf inspect MODEL.gguf` counts its own tensors.
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from empanel_gguf.abi.pins import READ_ALIGN
+from empanel_gguf.abi.header import READ_ALIGN
 
 # (model, n_embd, expert hidden size): every routed expert matrix is n_embd x ff (gate, up) or
 # ff x n_embd (down), so both have n_embd * ff weights; from the models' published configs

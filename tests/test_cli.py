@@ -64,6 +64,8 @@ def test_run_prompt_streams_with_report(model):
     assert "8 of 16 per MoE layer" in rep
     assert "exact     bit-identical to llama.cpp --no-repack" in rep  # paging: auto chose plain pools
     assert "indexed" in proc.stderr and "loaded" in proc.stderr  # progress while loading
+    notices = [line for line in proc.stderr.splitlines() if line.startswith("empanel:")]
+    assert notices and max(map(len, notices)) <= 120, [n for n in notices if len(n) > 120]  # a line a notice
 
     # the streamed text is the in-process Llama's at temperature 0 (streamed too: llama-cpp-python
     # drops the bytes of a token that are not valid UTF-8 when streaming, not otherwise)
@@ -439,3 +441,10 @@ def test_run_n_0_generates_nothing_and_s_minus_1_is_random(model):
     assert resolve_seed(7) == 7
     proc = cli("run", model, "-p", "Hello", "-n", 2, "--moe-slots", 8)
     assert re.search(r"seed \d+ \(random: -s \d+ repeats this run\)", proc.stderr), proc.stderr
+
+
+def test_run_help_explains_the_report():
+    proc = cli("run", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for term in ("hit rate", "bit for bit", "--no-repack", "recall", "dropped unread", "given back"):
+        assert term in proc.stdout, term

@@ -125,14 +125,14 @@ def test_no_module_level_import_circles():
     assert not circles, f"modules that import each other: {circles}"
 
 
-def _sidecar_call_graph():
-    """Each csrc/*.c unit -> the units whose functions it calls."""
-    units = {path.stem: path.read_text() for path in (REPO / "csrc").glob("*.c")}
+def _sidecar_call_graph(folder=REPO / "csrc", pattern="*.c", prefix="empanel_"):
+    """Each unit (csrc/*.c by default) -> the units whose functions (named prefix...) it calls."""
+    units = {path.stem: path.read_text() for path in folder.glob(pattern)}
     defined = {}
     for unit, text in units.items():
-        for fn in re.findall(r"^[a-z_][\w \*]*?\b(empanel_\w+)\s*\(", text, re.M):
+        for fn in re.findall(rf"^[a-z_][\w \*:<>]*?\b({prefix}\w+)\s*\(", text, re.M):
             defined.setdefault(fn, unit)
-    return units, {unit: {defined[fn] for fn in re.findall(r"\b(empanel_\w+)\s*\(", text)
+    return units, {unit: {defined[fn] for fn in re.findall(rf"\b({prefix}\w+)\s*\(", text)
                           if fn in defined and defined[fn] != unit} for unit, text in units.items()}
 
 
@@ -149,6 +149,15 @@ def test_sidecar_units_have_no_circles():
     assert not ({"remap", "guess"} & (graph["remap"] | graph["guess"])), "remap.c and guess.c call each other"
     circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in _reach(graph, b)})
     assert not circles, f"csrc units that call each other (directly or through others): {circles}"
+
+
+def test_llama_side_units_have_no_circles():
+    """Our sources in libllama (patches/files/src/*.cpp) call each other in layers too: the graph's
+    ops look their layers up in the registry, and the registry calls nothing of the graph."""
+    _, graph = _sidecar_call_graph(REPO / "patches" / "files" / "src", "*.cpp", "llama_empanel_")
+    assert "llama-empanel-registry" in graph["llama-empanel-graph"], graph  # the check sees calls
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in _reach(graph, b)})
+    assert not circles, f"libllama-side units that call each other (directly or through others): {circles}"
 
 
 def test_only_load_calls_libllama():
@@ -303,15 +312,20 @@ def test_prometheus_series_have_one_writer():
             assert not re.search(rf"[\"']empanel_{family}[\"'{{ ]", text), f"{path} writes empanel_{family} itself"
 
 
-def test_pins_equal_the_hook_header():
-    """abi/pins.py's copies of the hook header's numbers (the API version, the O_DIRECT block that
-    plain pools are placed by) are the header's."""
-    from empanel_gguf.abi import pins
+def test_the_hook_headers_numbers_are_read_not_copied():
+    """The hook header's numbers (the API version libllama must report, the O_DIRECT block plain
+    pools are placed by) are read from llama-empanel-shared.h as installed beside the libraries, not
+    repeated in Python: abi/pins.py holds only what pins llama.cpp's source."""
+    from empanel_gguf.abi import header, pins
 
-    header = (REPO / "patches" / "files" / "include" / "llama-empanel-shared.h").read_text()
-    defines = dict(re.findall(r"#define (LLAMA_EMPANEL_\w+) (\d+)", header))
-    assert int(defines["LLAMA_EMPANEL_API_VERSION"]) == pins.EMPANEL_API_VERSION
-    assert int(defines["LLAMA_EMPANEL_READ_ALIGN"]) == pins.READ_ALIGN
+    text = header.header_path(header.SOURCE_SHARED_HEADER).read_text()
+    assert header.API_VERSION == int(re.search(r"#define LLAMA_EMPANEL_API_VERSION (\d+)", text).group(1))
+    assert header.READ_ALIGN == int(re.search(r"#define LLAMA_EMPANEL_READ_ALIGN (\d+)", text).group(1))
+    assert [n for n in vars(pins) if n.isupper()] == ["LLAMA_CPP_PYTHON_VERSION", "LLAMA_CPP_PYTHON_SDIST",
+                                                      "LLAMA_CPP_PYTHON_SHA256", "LLAMA_COMMIT"]
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "header.py":
+            assert not re.search(r"^(API_VERSION|READ_ALIGN|EMPANEL_API_VERSION) *=", path.read_text(), re.M), path
 
 
 def test_policies_are_declared_once():

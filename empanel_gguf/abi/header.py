@@ -10,6 +10,9 @@ can use it.
     COUNTERS          Counter(field, kind, metric, help) per counter, in the struct's order
     ENGINE_POLICIES   the engine's eviction policies by name, in enum order
     SIDECAR_VERSION   EMPANEL_SIDECAR_VERSION: the library must report the same
+    API_VERSION       LLAMA_EMPANEL_API_VERSION of llama-empanel-shared.h (the hook header both
+                      libraries share): libllama must report the same
+    READ_ALIGN        LLAMA_EMPANEL_READ_ALIGN there: the O_DIRECT block of the reads, bytes
     DEFINES           {name: int} of every numeric #define EMPANEL_*: the pool's defaults and
                       bounds (EMPANEL_DEFAULT_READ_THREADS, EMPANEL_MAX_QUEUE_DEPTH, ...),
                       EMPANEL_PLAN_VERSION
@@ -24,6 +27,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # empanel_gguf/, which holds lib/
 SOURCE_HEADER = PACKAGE_DIR.parent / "csrc" / "empanel.h"
+SOURCE_SHARED_HEADER = PACKAGE_DIR.parent / "patches" / "files" / "include" / "llama-empanel-shared.h"
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,14 @@ def lib_dir():
     return Path(os.environ.get("EMPANEL_GGUF_LIB_DIR") or PACKAGE_DIR / "lib")
 
 
-def header_path():
-    """empanel.h as installed next to the libraries (lib_dir()), else the source tree's."""
+def header_path(source=SOURCE_HEADER):
+    """A header as installed next to the libraries (lib_dir()), else the source tree's: empanel.h,
+    or llama-empanel-shared.h (source=SOURCE_SHARED_HEADER)."""
     lib = lib_dir()
-    for path in (lib / "empanel.h", SOURCE_HEADER):
+    for path in (lib / source.name, source):
         if path.exists():
             return path
-    raise FileNotFoundError(f"empanel.h is missing from {lib}; reinstall empanel-gguf")
+    raise FileNotFoundError(f"{source.name} is missing from {lib}; reinstall empanel-gguf")
 
 
 def x_list(header_text, macro):
@@ -107,6 +112,12 @@ def parse_enum(header_text, enum, prefix):
     return {name.lower(): int(value) for name, value in re.findall(rf"\b{prefix}(\w+)\s*=\s*(\d+)", body)}
 
 
+def parse_shared_defines(header_text):
+    """{NAME: value} of every `#define LLAMA_EMPANEL_NAME <integer>` of llama-empanel-shared.h."""
+    return {name: int(value) for name, value in
+            re.findall(r"^#define LLAMA_EMPANEL_(\w+)[ \t]+(\d+)\b", header_text, re.M)}
+
+
 def define(name):
     """The value of `#define name <integer>` in empanel.h; ValueError if it has none."""
     if name not in DEFINES:
@@ -120,6 +131,9 @@ ENGINE_POLICIES = tuple(name for _, name in parse_policies(HEADER_TEXT))
 SIDECAR_VERSION = parse_version(HEADER_TEXT)
 DEFINES = parse_defines(HEADER_TEXT)
 READ_IO = parse_enum(HEADER_TEXT, "empanel_read_io", "EMPANEL_READ_IO_")
+SHARED_DEFINES = parse_shared_defines(header_path(SOURCE_SHARED_HEADER).read_text())
+API_VERSION = SHARED_DEFINES["API_VERSION"]
+READ_ALIGN = SHARED_DEFINES["READ_ALIGN"]
 
 
 def policy_id(name):

@@ -12,9 +12,3 @@ LLAMA_CPP_PYTHON_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372
 
 # the llama.cpp commit that sdist vendors (vendor/llama.cpp)
 LLAMA_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
-
-# must equal LLAMA_EMPANEL_API_VERSION in patches/files/include/llama-empanel-shared.h
-EMPANEL_API_VERSION = 12
-
-# must equal LLAMA_EMPANEL_READ_ALIGN there: the O_DIRECT block of the sidecar's reads, bytes
-READ_ALIGN = 4096

@@ -7,8 +7,15 @@ it runs the built-in default model (a small MoE trained on Shakespeare, shipped 
 a random-weight fixture written into the cache where it is missing) with slot pools of half its
 experts; without -p (or -cnv) it completes a fixed prompt.
 
-Progress goes to stderr while indexing and loading; at exit a short report: prompt and decode
-tok/s, expert hit rate, bytes read and their GB/s, peak RSS, slots per layer.
+Progress goes to stderr while indexing and loading; at exit a short report, a line each:
+  slots     expert slots per MoE layer, and the pools' memory against all the experts'
+  experts   hit rate: routed experts found in a slot; misses were read from the file (bytes, GB/s)
+  exact     the stock llama.cpp run these outputs equal bit for bit: its weight layout
+            (--no-repack: plain pools; defaults: CPU repacked pools, or pools that hold every expert)
+  reads     the read path: io_uring (one thread) or reader threads
+  budget    elastic pools: memory held now, the lowest it went, moves down and up, bytes given back
+  guess     recall: share of routed experts the gate-ahead guess named a layer early; read ahead:
+            experts it read before their layer, used (then routed) or dropped unread (not routed)
 
 Every option also reads an environment variable, as llama.cpp's tools do (LLAMA_ARG_*); an option
 on the command line wins. Exit status: 0 done, 1 error, 2 usage, 3 refused or stopped by the

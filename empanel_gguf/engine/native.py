@@ -12,7 +12,7 @@ import re
 import sys
 
 from ..abi import pins
-from ..abi.header import HEADER_TEXT, SIDECAR_VERSION, header_path, lib_dir, parse_counters, parse_policies
+from ..abi.header import API_VERSION, HEADER_TEXT, SIDECAR_VERSION, header_path, lib_dir, parse_counters, parse_policies
 
 
 _sidecar = None  # Native, once opened
@@ -51,10 +51,10 @@ def _check_llama(lib, where):
     commit_fn.restype = ctypes.c_char_p
     version = api_version()
     commit = commit_fn().decode()
-    if version != pins.EMPANEL_API_VERSION or commit != pins.LLAMA_COMMIT:
+    if version != API_VERSION or commit != pins.LLAMA_COMMIT:
         raise NativeLibraryError(
             f"llama_cpp loaded {where}: empanel API {version} on llama.cpp {commit[:12]}, but this "
-            f"empanel_gguf expects API {pins.EMPANEL_API_VERSION} on llama.cpp "
+            f"empanel_gguf expects API {API_VERSION} on llama.cpp "
             f"{pins.LLAMA_COMMIT[:12]}.\nHINT: the package and its libraries come from different "
             "builds; reinstall empanel-gguf (pip install --force-reinstall .)."
         )

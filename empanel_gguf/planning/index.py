@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, Keys
 
-from ..abi.pins import READ_ALIGN
+from ..abi.header import READ_ALIGN
 
 KINDS = ("gate", "up", "down", "gate_up")
 

@@ -122,15 +122,14 @@ def decide(plain, repacked):
     dp, dr = ([r["decode_tps"] for r in runs] for runs in (plain, repacked))
     pp, pr = ([r["prompt_tps"] for r in runs] for runs in (plain, repacked))
     mp, mr = statistics.median(dp), statistics.median(dr)
-    numbers = (f"decode {mr:.2f} t/s repacked against {mp:.2f} plain ({mr / mp:.2f}x), prompt "
-               f"{statistics.median(pr):.1f} against {statistics.median(pp):.1f} t/s, medians of {len(dp)}")
+    numbers = (f"decode {mr:.2f} vs {mp:.2f} t/s ({mr / mp:.2f}x), prompt "
+               f"{statistics.median(pr):.1f} vs {statistics.median(pp):.1f}, medians of {len(dp)}")
     if mr >= MARGIN * mp and min(dr) > max(dp) and statistics.median(pr) >= PROMPT_FLOOR * statistics.median(pp):
-        return "repacked", f"measured: repacked pools faster here: {numbers}"
-    return "plain", f"measured: plain pools as fast or faster here: {numbers}"
+        return "repacked", f"measured: repacked faster here: {numbers}"
+    return "plain", f"measured: plain as fast here: {numbers}"
 
 
-RULE_PAGED = ("rule: pools that page are plain, their reads land in the slots (repacked pools repack every "
-              "expert read); no layout measured on this machine: `empanel-gguf layout MODEL` measures one")
+RULE_PAGED = "rule: pools that page are plain (reads land in the slots); `empanel-gguf layout MODEL` measures both"
 
 
 def resolve_layout(repack, plan, probe=None, masked=False):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Optional, Union
 
 from ..abi.header import ENGINE_POLICIES, READ_IO, define
-from ..abi.pins import READ_ALIGN
+from ..abi.header import READ_ALIGN
 from .sizing import DEFAULT_POLICY, parse_size
 
 READ_THREADS = define("EMPANEL_DEFAULT_READ_THREADS")  # reader threads besides the decoding thread

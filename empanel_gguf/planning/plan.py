@@ -337,7 +337,8 @@ def parse_moe_slots(value):
 
 
 def print_notices(lines, verbose=True):
-    """Every face prints a load's notices the same way: `empanel: ...` on stderr."""
+    """Every face prints a load's notices the same way: `empanel: ...` on stderr, one line each
+    (tests/test_cli.py holds the built-in model's to 120 characters)."""
     if verbose:
         for line in lines:
             print(f"empanel: {line}", file=sys.stderr, flush=True)
@@ -529,8 +530,9 @@ def _plan_pools(index, moe_slots, options, notes):
             warning = f"moe_repack auto: {e}; the rule applies"
     layout = replace(resolve_layout(repack, plan, probe, masked), warning=warning)
     if repack == "auto" and plan is not None and not plan.holds_all:
-        notes.append(f"moe_repack auto: {'repacked' if layout.repack else 'plain'} pools, whose outputs equal llama.cpp "
-                     f"{'with its defaults' if layout.repack else '--no-repack'}; {layout.why}")
+        notes.append(f"moe_repack auto: {'repacked' if layout.repack else 'plain'} pools, exact to llama.cpp "
+                     f"{'at its defaults' if layout.repack else '--no-repack'}")
+        notes.append(f"  {layout.why}")
     guess = resolve_guess(options.guess)
     prefetch = resolve_prefetch(options.prefetch, plan, options.policy, guess)
     return plan, replace(options, repack=layout.repack, prefetch=prefetch, guess=guess), layout

@@ -23,10 +23,10 @@
 // an op run by thread 0 alone (llama_empanel_once): the other threads return from it only once
 // thread 0 has finished it, yielding for up to LLAMA_EMPANEL_ONCE_SPIN_US and then asleep, so
 // that a remap or a wait for reads does not keep them spinning in ggml's barrier after the node
-// (25-33 % of a paging decode's CPU samples on two threads, issue 52). Thread ith's k-th entry
+// (a quarter or more of a paging decode's CPU on two threads). Thread ith's k-th entry
 // waits for thread 0's k-th finish: never longer than the current run, since thread 0 runs every
 // computation's node (a thread that skipped runs, with fewer threads then, just does not wait)
-// EMPANEL_OP_SPIN=1 keeps the others spinning in the barrier, as before (a measurement switch:
+// EMPANEL_OP_SPIN=1 keeps the others spinning in the barrier (a switch to measure against:
 // bench config /EMPANEL_OP_SPIN=1)
 #define LLAMA_EMPANEL_ONCE_SPIN_US 20
 static bool llama_empanel_once_first(llama_empanel_once & once, int ith) {
@@ -414,7 +414,9 @@ void llama_empanel_each_mul_mat_id(ggml_tensor * res, const std::function<void(g
     }
 }
 
-uint32_t llama_empanel_layer_extra_nodes(const llama_empanel_layer & layer, uint32_t n_tokens) {
+// graph nodes the waves, guesses and substitution of one layer add to a micro-batch of n_tokens
+// (upper bound)
+static uint32_t llama_empanel_layer_extra_nodes(const llama_empanel_layer & layer, uint32_t n_tokens) {
     if (layer.pinned) {
         return 0; // stock's graph
     }
@@ -425,5 +427,13 @@ uint32_t llama_empanel_layer_extra_nodes(const llama_empanel_layer & layer, uint
     n += 8u * (uint32_t) (llama_empanel_n_waves(&layer, n_tokens, layer.n_expert) * layer.n_pools) + 2u;
     n += 8u * (uint32_t) layer.guesses.size(); // a guess: matmul, biases, gating, top-k, the op
     n += layer.subst() != nullptr ? 4u : 0u;   // substitution: top-k candidates and the op
+    return n;
+}
+
+uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_tokens) {
+    uint32_t n = 0;
+    llama_empanel_each_layer(model, [&](const llama_empanel_layer & layer) {
+        n += llama_empanel_layer_extra_nodes(layer, n_tokens);
+    });
     return n;
 }

@@ -4,8 +4,9 @@
 // model, graph builder and context call (each line says which). Defined in:
 //   llama-empanel.cpp          the plan of the load on this thread, the loader's questions
 //   llama-empanel-pools.cpp    the pools allocated at the end of a load
-//   llama-empanel-registry.cpp loaded models' pools, the graph lock, the node budget
-//   llama-empanel-graph.cpp    the ops over pools: remap, waves, ready, guess, substitution
+//   llama-empanel-registry.cpp loaded models' pools, the graph lock
+//   llama-empanel-graph.cpp    the ops over pools: remap, waves, ready, guess, substitution; the
+//                              node budget
 //   llama-empanel-program.cpp  llama.cpp's programs on pools (EMPANEL_PLAN, the sidecar)
 //   llama-empanel-rpc.cpp      RPC hosts lost during a decode
 // What only our own sources share is in llama-empanel-state.h.

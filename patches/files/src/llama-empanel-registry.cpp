@@ -1,7 +1,7 @@
 // empanel hooks, the registry of loaded models: each model's entry (its pools by GGUF name, its
 // layers, the load's callbacks, the files its loader read, its graph lock) and the layer of each
-// pool tensor and observed weight, which the graph builder looks up (llama-empanel-graph.cpp);
-// what the sidecar asks of a loaded model (llama_empanel_n_pools, _pool_info, _model_file); and
+// pool tensor and observed weight, which the graph builder looks up (llama-empanel-graph.cpp;
+// the registry calls nothing of it); what the sidecar asks of a loaded model (llama_empanel_n_pools, _pool_info, _model_file); and
 // the graph lock a context holds while its graph computes over the pools.
 
 #include "llama-empanel.h"
@@ -10,6 +10,7 @@
 
 #include "ggml-backend.h"
 
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -123,17 +124,15 @@ int32_t llama_empanel_model_file(const llama_model * model, int32_t i, uint64_t 
 // what a context asks of a loaded model
 //
 
-uint32_t llama_empanel_graph_extra_nodes(const llama_model * model, uint32_t n_tokens) {
+void llama_empanel_each_layer(const llama_model * model, const std::function<void(const llama_empanel_layer &)> & fn) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_models.find(model);
     if (it == g_models.end()) {
-        return 0;
+        return;
     }
-    uint32_t n = 0;
     for (const auto & layer : it->second.layers) {
-        n += llama_empanel_layer_extra_nodes(*layer, n_tokens);
+        fn(*layer);
     }
-    return n;
 }
 
 // Two contexts on one model share its pools: the slots one context's remap fills are read by

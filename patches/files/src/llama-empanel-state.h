@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -164,6 +165,6 @@ llama_empanel_layer * llama_empanel_layer_of(const ggml_tensor * w);
 llama_empanel_wave  * llama_empanel_wave_of(llama_empanel_layer * layer, const ggml_tensor * w, int32_t iw, int32_t n_waves);
 llama_empanel_ready * llama_empanel_ready_of(llama_empanel_layer * layer, const ggml_tensor * w);
 
-// llama-empanel-graph.cpp: graph nodes the waves, guesses and substitution of one layer add to
-// a micro-batch of n_tokens (upper bound)
-uint32_t llama_empanel_layer_extra_nodes(const llama_empanel_layer & layer, uint32_t n_tokens);
+// llama-empanel-registry.cpp: fn on each layer of a model's entry, under the registry's lock
+// (nothing for a model without one)
+void llama_empanel_each_layer(const struct llama_model * model, const std::function<void(const llama_empanel_layer &)> & fn);
