@@ -180,17 +180,22 @@ def machine_memory():
     return info["MemTotal"] + info.get("SwapTotal", 0)
 
 
-def test_capacity_beyond_memory(tmp_path):
+@pytest.mark.parametrize("qtype,repack", [("F16", False), ("Q4_0", True)])
+def test_capacity_beyond_memory(tmp_path, qtype, repack):
     """Pools whose capacity (their slots' address space) is larger than the machine's memory and
-    swap load and decode under a budget: host pools are reserved without commit
-    (llama-empanel-pools.cpp), which the overcommit heuristic does not refuse as it refuses one
-    allocation of that size, and only the slots filled take memory. The experts are holes in a
-    sparse file (zeros: a model larger than memory on no disk); the logits equal those of a small
-    pool of the same file, which the other tests hold equal to stock's."""
-    expert = 3 * 256 * 65536 * 2  # bytes of one F16 expert [256, 65536] x 3 (96 MiB)
+    swap load and decode under a budget: host pools, plain and CPU_REPACK alike, are reserved
+    without commit (llama-empanel-pools.cpp; patch 0003 makes the repacked buffer over the range),
+    which the overcommit heuristic does not refuse as it refuses one allocation of that size, and
+    only the slots filled take memory. The experts are holes in a sparse file (zeros: a model
+    larger than memory on no disk); the logits equal those of a small pool of the same file, which
+    the other tests hold equal to stock's."""
+    n_ff = 65536 if qtype == "F16" else 4 * 65536
+    expert = 3 * 256 * n_ff * (2 if qtype == "F16" else 18 / 32)  # bytes of one expert [256, n_ff] x 3 (96 / 108 MiB)
+    expert = int(expert)
     n_expert = -(-int(1.25 * machine_memory()) // expert) + 8
-    spec = fixtures.FixtureSpec("qwen3moe-holes", "qwen3moe", n_layer=1, n_expert=n_expert, n_expert_used=2,
-                                n_embd=256, n_ff_exp=65536, weight_type="F16", expert_holes=True, seed=21)
+    spec = fixtures.FixtureSpec(f"qwen3moe-holes-{qtype}", "qwen3moe", n_layer=1, n_expert=n_expert, n_expert_used=2,
+                                n_embd=256, n_ff_exp=n_ff, weight_type="F16", expert_types=(qtype,),
+                                expert_holes=True, seed=21)
     path = fixtures.write_model(spec, tmp_path / "holes.gguf")
     assert os.stat(path).st_blocks * 512 < 64 << 20  # (sparse: the experts take no disk)
     capacity = (n_expert - 8) * expert
@@ -204,8 +209,10 @@ def test_capacity_beyond_memory(tmp_path):
     tokens = [(5 * t + 11) % 200 + 1 for t in range(12)]
     logits = {}
     for slots, budget in ((n_expert - 8, 4 * expert), (4, None)):
-        llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, moe_slots=slots, moe_budget=budget)
+        llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, moe_slots=slots, moe_budget=budget,
+                    moe_repack=repack)
         try:
+            assert llm.moe_stats()["exact_to"] == ("llama.cpp with its defaults" if repack else "llama.cpp --no-repack")
             llm.eval(tokens[:8])  # (a prompt's waves may fill the layer past the budget: the next remap trims)
             for token in tokens[8:]:
                 llm.eval([token])

@@ -25,6 +25,10 @@ PROMPT = b"The quick brown fox jumps over"
 SPEC = FixtureSpec("neighbour", "qwen3moe", n_layer=2, n_expert=64, n_expert_used=4, n_embd=1024, n_ff_exp=512,
                    weight_type="F16", expert_types=("F16", "F16"), seed=21)
 SLOTS = 48  # 288 MiB of pools, preloaded; the floor is 24 MiB
+# the same in a layout ggml-cpu repacks (Q4_0, 1024 x 2048 x 3: 3.4 MiB an expert), the experts holes
+# of zeros in a sparse file (quantizing 800 M random weights would take minutes): CPU_REPACK pools
+REPACKED = FixtureSpec("neighbour-q4_0", "qwen3moe", n_layer=2, n_expert=64, n_expert_used=4, n_embd=1024,
+                       n_ff_exp=2048, weight_type="F16", expert_types=("Q4_0", "Q4_0"), expert_holes=True, seed=21)
 
 # the model's side of a scenario: step(n) decodes n greedy tokens of `llm` into `tokens`
 STEP = """
@@ -40,7 +44,7 @@ def step(n):
 
 MODEL_SCRIPT = STEP + """
 llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots=int(sys.argv[2]), moe_preload=True,
-            moe_elastic=sys.argv[3] == "1")
+            moe_elastic=sys.argv[3] == "1", moe_repack=sys.argv[4] == "1")
 llm.eval(llm.tokenize(%r))
 step(4)
 print("READY", flush=True)
@@ -157,13 +161,14 @@ def decode_on(model):
     return json.loads(text_tokens), json.loads(text_budget)
 
 
-def run_scenario(cgroup, path, elastic, limit_at_load=True):
+def run_scenario(cgroup, path, elastic, limit_at_load=True, repack=False):
     """The model in the cgroup, the limit lowered to what it uses plus 448 MiB (1.75 of the
     controller's 256 MiB reserve: a band where it rests), a neighbour that takes 528 MiB mid-decode,
     then leaves. (tokens or None, budget figures, seconds back, killed)"""
     if limit_at_load:
         cgroup.set_limit(2 << 30)
-    model = cgroup.spawn([sys.executable, "-c", MODEL_SCRIPT, str(path), str(SLOTS), "1" if elastic else "0"])
+    model = cgroup.spawn([sys.executable, "-c", MODEL_SCRIPT, str(path), str(SLOTS), "1" if elastic else "0",
+                          "1" if repack else "0"])
     neighbour = None
     try:
         assert expect(model, "READY") is not None, model.stderr.read()[-3000:]
@@ -200,11 +205,14 @@ def stock_tokens(path, n=16):
         llm.close()
 
 
-def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path):
-    path = write_model(SPEC, tmp_path / "neighbour.gguf")
+@pytest.mark.parametrize("repack", [False, True], ids=["plain", "repacked"])
+def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path, repack):
+    """Plain pools (exact to --no-repack) and CPU_REPACK ones (exact to stock's defaults, which the
+    stock run here has) alike."""
+    path = write_model(REPACKED if repack else SPEC, tmp_path / "neighbour.gguf")
     cgroup = Cgroup("empanel-neighbour")
     try:
-        tokens, budget, back, kills, codes = run_scenario(cgroup, path, elastic=True)
+        tokens, budget, back, kills, codes = run_scenario(cgroup, path, elastic=True, repack=repack)
         assert kills == 0 and codes == (0, 0), (kills, codes)
         assert tokens == stock_tokens(path)
         assert budget["n_shrinks"] >= 1 and budget["given_back_bytes"] >= 200 * MiB, budget
@@ -212,6 +220,8 @@ def test_a_neighbour_kills_nobody_where_pools_give_back(tmp_path):
         assert back is not None and back < 5, back
     finally:
         cgroup.remove()
+    if repack:
+        return  # (the control below shows the scenario bites; once is enough)
     control = Cgroup("empanel-neighbour-control")
     try:  # the same without moe_elastic: the OOM killer fires (the scenario bites)
         tokens, budget, back, kills, codes = run_scenario(control, path, elastic=False)

@@ -131,7 +131,7 @@ class FixtureSpec:
     n_shards: int = 1  # >1: split files <stem>-0000i-of-0000n.gguf
     requantize_to: str | None = None  # a K-quant made by llama.cpp from an F16 file
     seed: int = 0
-    expert_holes: bool = False  # routed experts (F16/F32) left as holes of zeros in a sparse file: a
+    expert_holes: bool = False  # routed experts left as holes of zeros in a sparse file (any type): a
                                 # model larger than memory that takes no disk
     # tokens: the base vocabulary padded to this size (vocabulary()); 0: the base's. Out of repr:
     # the fingerprint of a spec without it is the one it always was
@@ -330,7 +330,7 @@ def _draw(plan: list[TensorSpec], seed: int) -> Iterator[tuple[str, np.ndarray, 
         elif t.kind == "vector":
             values = rng.standard_normal(shape, dtype=np.float32) * np.float32(t.scale)
         elif t.kind == "hole":
-            values = _Hole(shape, np.float16 if t.qtype == "F16" else np.float32)
+            values = _Hole.of(shape, t.qtype)
         else:
             values = np.ones(shape, dtype=np.float32)
         yield t.name, values, t.qtype
@@ -338,11 +338,21 @@ def _draw(plan: list[TensorSpec], seed: int) -> Iterator[tuple[str, np.ndarray, 
 
 class _Hole:
     """What gguf's writer takes for an array whose bytes it skips: the file gets a hole (zeros on
-    read, no disk) where the tensor's data would be."""
+    read, no disk) where the tensor's data would be. Zero bytes are zeros in every type (a block's
+    scale 0 too); raw_dtype: the ggml type of a quantized one, whose shape is then in bytes."""
 
-    def __init__(self, shape: tuple[int, ...], dtype):
-        self.shape, self.dtype = shape, np.dtype(dtype)
+    def __init__(self, shape: tuple[int, ...], dtype, raw_dtype=None):
+        self.shape, self.dtype, self.raw_dtype = shape, np.dtype(dtype), raw_dtype
         self.nbytes = math.prod(shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], qtype: str) -> "_Hole":
+        """A hole of `shape` (numpy order) values of ggml type qtype."""
+        if qtype in ("F16", "F32"):
+            return cls(shape, np.float16 if qtype == "F16" else np.float32)
+        ggml_type = gguf.GGMLQuantizationType[qtype]
+        block, type_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+        return cls((*shape[:-1], shape[-1] // block * type_bytes), np.uint8, ggml_type)
 
     def tofile(self, fout) -> None:
         fout.seek(self.nbytes, os.SEEK_CUR)
@@ -388,7 +398,6 @@ def _add_routed_experts(t: _Tensors, spec: ArchDims, il: int, n_ff: int) -> None
     qtype = spec.expert_type(il)
     add = t.matrix
     if spec.expert_holes:
-        assert qtype in ("F16", "F32"), "holes are written for float experts only"
         add = t.hole
     add(p + "ffn_gate_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
     add(p + "ffn_up_exps.weight", (spec.n_embd, n_ff, spec.n_expert), qtype)
@@ -649,7 +658,7 @@ def _write_gguf(spec: FixtureSpec, path: Path) -> None:
     add_arch_hparams(w, spec.dims)
     add_tokenizer(w, spec.n_vocab)
     for name, values, qtype in _draw(plan, spec.seed):
-        data, raw_dtype = (values, None) if isinstance(values, _Hole) else encode_tensor(values, qtype)
+        data, raw_dtype = (values, values.raw_dtype) if isinstance(values, _Hole) else encode_tensor(values, qtype)
         w.add_tensor(name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

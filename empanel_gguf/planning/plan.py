@@ -427,21 +427,19 @@ ELASTIC_INTERVAL_MS = 20  # how often the controller reads the memory left (a fe
 
 def elastic_wanted(requested, options, kwargs):
     """Whether a load asks for pools that give memory back: moe_elastic, or where it is None,
-    moe_slots "auto" with no layer offloaded, not forced into the repacked layout, and the memory
-    measured (not replaced by EMPANEL_MEM_AVAILABLE: the files the controller would read are then
-    not what the user says is there)."""
+    moe_slots "auto" with no layer offloaded and the memory measured (not replaced by
+    EMPANEL_MEM_AVAILABLE: the files the controller would read are then not what the user says is
+    there). Plain and repacked host pools alike: both are reserved without commit."""
     if options.elastic is not None:
         return options.elastic
-    return (requested == "auto" and not kwargs.get("n_gpu_layers") and options.repack is not True
-            and not os.environ.get("EMPANEL_MEM_AVAILABLE"))
+    return requested == "auto" and not kwargs.get("n_gpu_layers") and not os.environ.get("EMPANEL_MEM_AVAILABLE")
 
 
 def _controller(load, kwargs):
-    """The controller of a load with pools (LoadPlan.controller), or None (elastic_wanted; by
-    default also not where the pools ended up repacked). It keeps half the floor free, as the
-    planner did for it."""
+    """The controller of a load with pools (LoadPlan.controller), or None (elastic_wanted). It
+    keeps half the floor free, as the planner did for it."""
     options, notes = load.options, load.notes
-    if not elastic_wanted(load.requested, options, kwargs) or (options.elastic is None and options.repack is True):
+    if not elastic_wanted(load.requested, options, kwargs):
         return None
     if load.pinned:
         notes.append("moe_elastic: the pools hold every expert in place (stock's graph reads them): they keep "

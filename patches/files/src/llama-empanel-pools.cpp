@@ -40,13 +40,31 @@ llama_empanel_reserve::~llama_empanel_reserve() {
 #endif
 }
 
-// a CPU buffer of size bytes over address space reserved without commit: a capacity of slots
-// larger than memory (and swap) is not refused by the kernel's overcommit heuristic, as one
-// malloc of it would be, and untouched slots cost nothing, as before. The range is the entry's
-// (reserves), unmapped with it; nullptr where there is no such mapping (the buffer type's own
-// allocation then)
-static ggml_backend_buffer_t llama_empanel_reserve_cpu_buffer(size_t size,
-                                                             std::vector<std::unique_ptr<llama_empanel_reserve>> & reserves) {
+// a buffer over memory the caller owns: ggml_backend_cpu_buffer_from_ptr, or ggml-cpu's
+// CPU_REPACK one (patch 0003)
+typedef ggml_backend_buffer_t (*llama_empanel_from_ptr_fn)(void * ptr, size_t size);
+
+// how a buffer of type buft is made over reserved memory: the CPU's own and CPU_REPACK (found by
+// its proc address), nullptr for the others
+static llama_empanel_from_ptr_fn llama_empanel_from_ptr_of(ggml_backend_buffer_type_t buft) {
+    if (buft == ggml_backend_cpu_buffer_type()) {
+        return ggml_backend_cpu_buffer_from_ptr;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    ggml_backend_reg_t reg = dev != nullptr ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    if (reg == nullptr || strcmp(ggml_backend_buft_name(buft), "CPU_REPACK") != 0) {
+        return nullptr;
+    }
+    return (llama_empanel_from_ptr_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_repack_buffer_from_ptr");
+}
+
+// a buffer of size bytes (from_ptr makes it) over address space reserved without commit: a
+// capacity of slots larger than memory (and swap) is not refused by the kernel's overcommit
+// heuristic, as one malloc of it would be, and untouched slots cost nothing. The range is the
+// entry's (reserves), unmapped with it; nullptr where there is no such mapping (the buffer type's
+// own allocation then)
+static ggml_backend_buffer_t llama_empanel_reserve_buffer(size_t size, llama_empanel_from_ptr_fn from_ptr,
+                                                          std::vector<std::unique_ptr<llama_empanel_reserve>> & reserves) {
 #if !defined(_WIN32) && defined(MAP_ANONYMOUS)
 #ifdef MAP_NORESERVE
     const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
@@ -58,21 +76,23 @@ static ggml_backend_buffer_t llama_empanel_reserve_cpu_buffer(size_t size,
         return nullptr;
     }
     auto reserve = std::make_unique<llama_empanel_reserve>(addr, size);
-    ggml_backend_buffer_t buf = ggml_backend_cpu_buffer_from_ptr(addr, size);
+    ggml_backend_buffer_t buf = from_ptr(addr, size);
     if (buf != nullptr) {
         reserves.push_back(std::move(reserve));
     }
     return buf;
 #else
     GGML_UNUSED(size);
+    GGML_UNUSED(from_ptr);
     GGML_UNUSED(reserves);
     return nullptr;
 #endif
 }
 
-// pools in plain host memory: each pool's data at its file offset modulo the O_DIRECT block, so
-// that the sidecar's reads land in its slots with no copy (csrc/reader.c); a block more per pool.
-// Pools of the CPU's own buffer type are reserved without commit (llama_empanel_reserve_cpu_buffer)
+// pools in host memory: each pool's data at its file offset modulo the O_DIRECT block, so that
+// the sidecar's reads land in plain slots with no copy (csrc/reader.c); a block more per pool.
+// Pools of the CPU's own buffer type and of CPU_REPACK are reserved without commit
+// (llama_empanel_reserve_buffer)
 static ggml_backend_buffer_t llama_empanel_alloc_at_phase(const llama_empanel_load & load, ggml_context * ctx,
                                                           ggml_backend_buffer_type_t buft,
                                                           std::vector<std::unique_ptr<llama_empanel_reserve>> & reserves) {
@@ -86,8 +106,8 @@ static ggml_backend_buffer_t llama_empanel_alloc_at_phase(const llama_empanel_lo
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
         size = GGML_PAD(size, block) + phase_of(t) + ggml_backend_buft_get_alloc_size(buft, t);
     }
-    ggml_backend_buffer_t buf = buft == ggml_backend_cpu_buffer_type() ? llama_empanel_reserve_cpu_buffer(size + block, reserves)
-                                                                       : nullptr;
+    llama_empanel_from_ptr_fn from_ptr = llama_empanel_from_ptr_of(buft);
+    ggml_backend_buffer_t buf = from_ptr != nullptr ? llama_empanel_reserve_buffer(size + block, from_ptr, reserves) : nullptr;
     if (buf == nullptr) {
         buf = ggml_backend_buft_alloc_buffer(buft, size + block);
     }
@@ -119,8 +139,9 @@ static ggml_backend_buffer_t llama_empanel_alloc_pool_buffer(const llama_empanel
             t->buffer = buf;
         }
     } else {
-        buf = ggml_backend_buft_is_host(buft) ? llama_empanel_alloc_at_phase(load, ctx, buft, reserves)
-                                              : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        buf = ggml_backend_buft_is_host(buft) || llama_empanel_from_ptr_of(buft) != nullptr
+            ? llama_empanel_alloc_at_phase(load, ctx, buft, reserves)
+            : ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
         if (buf == nullptr) {
             throw std::runtime_error(format("empanel: unable to allocate the %s slot pools", ggml_backend_buft_name(buft)));
         }
