@@ -73,7 +73,7 @@ enum empanel_read_io {
                                  // kernel has none: the threads, with a notice; n_threads 0: the
                                  // caller alone, pread
 };
-// what EMPANEL_READ_IO_AUTO takes: io_uring where there is one (docs/performance.md, "Reads at depth")
+// what EMPANEL_READ_IO_AUTO takes: io_uring where there is one (docs/performance.md, "Fast drives and reads")
 #define EMPANEL_READ_IO_DEFAULT EMPANEL_READ_IO_URING
 
 // The eviction policies (struct empanel_pool_params.policy), declared once: the enum below,

@@ -315,7 +315,7 @@ static void * reader_thread(void * arg_) {
 // threads
 
 // the read path asked for: EMPANEL_READ_IO in the environment ("threads", "uring"), else the
-// params' (auto: this build's default, docs/performance.md "Reads at depth")
+// params' (auto: this build's default, docs/performance.md "Fast drives and reads")
 static int32_t read_io_asked(int32_t read_io) {
     const char * env = getenv("EMPANEL_READ_IO");
     if (env != NULL && strcmp(env, "threads") == 0) {

@@ -23,7 +23,7 @@
 // waited for its own reads last time (empanel_ready), and its pools are plain host memory that
 // the reads land in. CPU_REPACK pools are not: their readers repack every expert, and on two
 // cores that CPU taken from the compute costs more than the overlap gives (docs/performance.md,
-// Layouts)
+// "Layouts")
 static int overlap_reads(const struct empanel_pool * pool, const struct empanel_layer * layer) {
     if (!layer->ready.armed || pool->config.lab || empanel_batch_inflight(pool, EMPANEL_LANE_DEMAND, NULL)) {
         return 0;

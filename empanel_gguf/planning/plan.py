@@ -45,8 +45,7 @@ def resolve_repack(repack, plan) -> bool:
     (--no-repack), by layout.resolve_layout's rule: "auto" keeps stock's defaults where no pool
     pages or waves may be masked (a device to offload to, or EMPANEL_WAVE_MASK=1: masked waves
     over plain Q4_K pools are not exact to stock --no-repack, tests/test_slots.py), else plain
-    pools, measured faster on every paged row of this VM (docs/performance.md, "The layout
-    default"). plan_load also follows this machine's saved measurement (`empanel-gguf layout`)."""
+    pools, measured faster on every paged row of this VM (docs/performance.md, "Layouts"). plan_load also follows this machine's saved measurement (`empanel-gguf layout`)."""
     return resolve_layout(OPTION["repack"].checked(repack), plan, None, waves_may_be_masked()).repack
 
 
@@ -61,9 +60,8 @@ def resolve_prefetch(prefetch, plan, policy: str, guess: bool = True) -> int:
     """moe_prefetch -> layers whose guessed experts are read ahead. "auto" is a rule, not a probe:
     1 where host pools page under a per-layer policy, where a read-ahead goes in its own lane
     behind the reads of the layer computing now (csrc/batch.c, empanel_batch_beside), else 0:
-    measured faster on every model there (docs/performance.md, "Read-ahead in its own lane"),
-    repacked pools included (1.10x on the skewed 12-layer model under the cap, now that the readers
-    repack K-quants at 1.7-2.2x ggml's speed: csrc/repack.c, "The layout by measurement"). Where
+    measured faster on every model there, repacked pools included (docs/performance.md, "Fast
+    drives and reads" and "Layouts"; the readers repack K-quants themselves, csrc/repack.c). Where
     waves may be masked (a GPU or RPC device: pools there were never measured with read-ahead,
     and each expert read ahead costs an RPC host a write), g-lru (no read-ahead beside another
     layer's reads), pools that hold every expert (nothing to read) and loads without the
