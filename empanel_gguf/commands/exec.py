@@ -28,6 +28,7 @@ Python started with -S or -I ignores PYTHONPATH/sitecustomize: there only the li
 A Llama that the guard refuses raises empanel_gguf.planning.guard.MemoryRefused in the program.
 """
 
+from ..planning.options import CommandParser
 import argparse
 import os
 import shlex
@@ -41,7 +42,7 @@ def setup_arg_parser():
     from ..planning.options import OPTION
     from .options import env_arg
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="empanel-gguf exec", usage="empanel-gguf exec [options] -- PROGRAM [ARGS...]",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,11 +12,12 @@ import sys
 
 from empanel_gguf.planning.format import format_bytes
 from empanel_gguf.planning.index import ModelError, ModelIndex, load_index
+from empanel_gguf.planning.options import CommandParser
 
 
 def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     if parser is None:
-        parser = argparse.ArgumentParser(prog="empanel-gguf inspect", description=__doc__.splitlines()[0])
+        parser = CommandParser(prog="empanel-gguf inspect", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="GGUF model file (for a split model: any of its shards)")
     parser.add_argument("--json", action="store_true", help="print the full index as JSON")
     return parser

@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..planning.options import OPTIONS, parse_bool
+from ..planning.options import OPTIONS, CommandParser, parse_bool
 
 EXIT_MEMORY = 3  # refused or stopped by the memory guard
 
@@ -33,7 +33,7 @@ def default_model_path():
 def command_parser(prog, doc):
     """An ArgumentParser for `empanel-gguf <prog>` from its module docstring: the first paragraph
     after the usage line is the description, the rest the epilog."""
-    return argparse.ArgumentParser(
+    return CommandParser(
         prog=f"empanel-gguf {prog}", description=doc.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(doc.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
 

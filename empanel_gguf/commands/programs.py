@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..planning.options import CommandParser
 from .options import EXIT_MEMORY, add_memory_args, add_moe_args, note
 
 PROGRAMS = ("llama-server", "llama-cli", "llama-bench", "llama-perplexity")
@@ -51,7 +52,7 @@ def program_path(name):
 
 
 def setup_arg_parser(name):
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=f"empanel-gguf {name}", usage=f"empanel-gguf {name} [--moe-* options] {name.upper()}-FLAGS...",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -22,12 +22,13 @@ import importlib.util
 import json
 import math
 import sys
+from ..planning.options import CommandParser
 
 
 def setup_arg_parser():
     from ..lab.policies import LAB_POLICIES
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="empanel-gguf replay", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="trace file written by `empanel-gguf trace`")

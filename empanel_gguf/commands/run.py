@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..planning.options import CommandParser
 from ..planning.format import format_bytes
 from ..progress import PromptProgress
 from .options import (DEFAULT_MODEL_SLOTS, DEFAULT_PROMPT, EXIT_MEMORY, add_load_args, add_memory_args,
@@ -37,7 +38,7 @@ from .options import (DEFAULT_MODEL_SLOTS, DEFAULT_PROMPT, EXIT_MEMORY, add_load
                       plan_from_args)
 
 def setup_arg_parser():
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="empanel-gguf run", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help="GGUF model (first shard of a split); "

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from ..planning.options import OPTION
+from ..planning.options import OPTION, CommandParser
 from .options import DEFAULT_MODEL_SLOTS, EXIT_MEMORY, default_model_path, gpu_layers, parse_bool
 
 # llama.cpp's spellings of llama_cpp.server's settings: (flags, setting, type, environment variable)
@@ -49,7 +49,7 @@ def setup_arg_parser():
 
     from ..server import EmpanelSettings
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="empanel-gguf serve", conflict_handler="resolve",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)

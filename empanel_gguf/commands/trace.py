@@ -23,13 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+from ..planning.options import CommandParser
 from ..progress import PromptProgress
 from .options import (DEFAULT_PROMPT, EXIT_MEMORY, add_load_args, add_memory_args, add_moe_args,
                       add_sampling_args, env_arg, llama_kwargs, note, plan_from_args)
 
 
 def setup_arg_parser():
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="empanel-gguf trace", description=" ".join(__doc__.split("\n\n")[0].split(": ", 1)[1].split()),
         epilog="\n\n".join(__doc__.split("\n\n")[1:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="GGUF model (first shard of a split)")

@@ -23,8 +23,7 @@ import textwrap
 from dataclasses import dataclass, field, make_dataclass
 from typing import Optional, Union
 
-from ..abi.header import ENGINE_POLICIES, READ_IO, define
-from ..abi.header import READ_ALIGN
+from ..abi.header import ENGINE_POLICIES, READ_ALIGN, READ_IO, define
 from .sizing import DEFAULT_POLICY, parse_size
 
 READ_THREADS = define("EMPANEL_DEFAULT_READ_THREADS")  # reader threads besides the decoding thread
@@ -413,14 +412,29 @@ MoeOptions = make_dataclass(
 MoeOptions.__module__ = __name__
 
 
+def did_you_mean(unknown, known):
+    """"; did you mean X, Y?" with the nearest known name of each unknown one, or "" if none is near."""
+    import difflib
+
+    close = [match for name in unknown for match in difflib.get_close_matches(name, known, n=1)]
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, whose error for an option it does not know names the nearest it knows."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            unknown = [arg.split("=", 1)[0] for arg in message.split(": ", 1)[1].split() if arg.startswith("-")]
+            message += did_you_mean(unknown, [o for a in self._actions for o in a.option_strings])
+        super().error(message)
+
+
 def check_known(keywords):
     """ValueError for a moe_* name that is no option, naming the valid ones."""
     unknown = sorted(set(keywords) - set(KEYWORDS))
     if unknown:
-        import difflib
-
-        close = [match for name in unknown for match in difflib.get_close_matches(name, KEYWORDS, n=1)]
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(unknown, KEYWORDS)
         raise ValueError(f"unknown MoE option{'s' * (len(unknown) > 1)} {', '.join(unknown)}{hint} (the options: "
                          f"{', '.join(KEYWORDS)})")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from .synthetic import DEFAULT_SHAPE, SHAPES, ModelShape, shape_with, write_model
 from ...planning.format import GiB, MiB
 from ...planning.host_memory import meminfo
-from ...planning.options import READ_THREADS
+from ...planning.options import READ_THREADS, CommandParser
 from .host import MemCgroup, block_queue_dir, probe_drive, read_sys
 from .configs import CAP, CAP_NONE, Config, DEFAULT_CONFIGS, parse_config, parse_opt
 from .child import child_main
@@ -114,7 +114,7 @@ def _size(text):
 
 
 def setup_arg_parser():
-    p = argparse.ArgumentParser(prog="empanel-gguf bench", description=__doc__.split("\n\n")[0],
+    p = CommandParser(prog="empanel-gguf bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", help="an existing MoE GGUF to benchmark")
