@@ -384,8 +384,9 @@ def plan_load(index, moe_slots, llama_kwargs=None, *, options=None, lora_paths=(
     decided = _decide_slots(index, moe_slots, kwargs, options.resident_layers, available, floor, notes,
                             sizing_floor)
     capacity = decided
-    # (host pools are reserved without commit in the CPU's own buffer type only: with a GPU device,
-    # llama.cpp keeps CPU layers in its pinned host buffer, which a larger capacity would commit)
+    # (host pools are reserved without commit in the CPU's buffer types only, plain and repacked:
+    # with a GPU device, llama.cpp keeps CPU layers in its pinned host buffer, which a larger
+    # capacity would commit)
     if elastic and moe_slots == "auto" and isinstance(decided, int) and total and not kwargs["n_gpu_layers"] \
             and not waves_may_be_masked():
         capacity = _elastic_capacity(index, decided, kwargs, options.resident_layers, total, sizing_floor, notes)
