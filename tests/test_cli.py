@@ -167,6 +167,11 @@ def test_run_bad_slots_is_an_error(model):
     assert proc.returncode == 2
     assert "not auto, none, a count (32), a share (25%) or a size (6GiB)" in proc.stderr
     assert "indexed" not in proc.stderr  # before anything ran
+    for flag, value, says in (("--moe-budget", "abc", 'a size ("4GiB")'), ("--mem-floor", "q", "a share (5%)"),
+                              ("--moe-host-cache", "zz", 'a size ("8GiB")')):  # a bad value: usage, first
+        proc = cli("run", model, "-p", "Hello", flag, value)
+        assert proc.returncode == 2 and f"argument {flag}" in proc.stderr and says in proc.stderr, proc.stderr
+        assert "indexed" not in proc.stderr
     for command in ("run", "serve"):  # a misspelt option: a usage error naming the nearest
         proc = cli(command, model, "--moe-slotz", 8, "--ctx-sise=64")
         assert proc.returncode == 2 and "did you mean --moe-slots, --ctx-size?" in proc.stderr, proc.stderr

@@ -44,7 +44,7 @@ def step(n):
 
 MODEL_SCRIPT = STEP + """
 llm = Llama(sys.argv[1], n_ctx=128, logits_all=True, verbose=False, moe_slots=int(sys.argv[2]), moe_preload=True,
-            moe_elastic=sys.argv[3] == "1", moe_repack=sys.argv[4] == "1")
+            moe_elastic=sys.argv[3] == "1", moe_repack=sys.argv[4:5] == ["1"])
 llm.eval(llm.tokenize(%r))
 step(4)
 print("READY", flush=True)

@@ -90,7 +90,9 @@ def env_arg(parser, *flags, env, default=None, help="", show_default=None, **kwa
 
 
 def add_memory_args(parser):
-    env_arg(parser, "--mem-floor", env="LLAMA_ARG_MEM_FLOOR", metavar="SIZE|P%",
+    from ..planning.host_memory import parse_floor
+
+    env_arg(parser, "--mem-floor", env="LLAMA_ARG_MEM_FLOOR", metavar="SIZE|P%", type=checked_text(parse_floor),
             show_default="max(1 GiB, 5% of memory); 25% below 4 GiB",
             help="memory to keep free: refuse a load whose estimate leaves less, stop a run when "
                  "less is left; 0 turns the guard off")
@@ -121,12 +123,25 @@ def add_load_args(parser):
             metavar="on|off", show_default="off; where pools page, --moe-batch's", help="flash attention")
 
 
+def checked_text(check):
+    """An argparse type that hands the text on as it is, once check(text) took it: a value the
+    load would refuse is a usage error before anything is read."""
+    def take(text):
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    return take
+
+
 def add_moe_args(parser, moe_slots_default="auto"):
     """-ms and the --moe-* options of Llama, from the table (planning/options.py)."""
     for o in OPTIONS:
         if not o.flags:
             continue  # (moe_trace and moe_mtp: the commands set them)
-        extra = {key: value for key, value in (("type", o.parse), ("metavar", o.metavar), ("choices", o.choices))
+        parse = o.parse if o.parse is not None or o.check is None else checked_text(o.checked)
+        extra = {key: value for key, value in (("type", parse), ("metavar", o.metavar), ("choices", o.choices))
                  if value is not None}
         show = moe_slots_default if o.name == "slots" else o.show_default
         env_arg(parser, *o.flags, env=o.env, default=o.default,

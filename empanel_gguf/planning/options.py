@@ -118,6 +118,15 @@ def _budget(value):
     return size
 
 
+def _host_cache(value):
+    if value is None or value == 0:
+        return value
+    size = value if _is_int(value) else parse_size(str(value))
+    if size is None or size <= 0:
+        raise ValueError('a size ("8GiB") or bytes of host memory, or None')
+    return size
+
+
 SLOTS_NONE = ("", "none", "off", "no", "false", "0")  # moe_slots texts that mean None: stock, no pools
 
 
@@ -356,7 +365,7 @@ OPTIONS = (
                "Never below the top-k experts of every MoE layer.",
            help="the live budget of resident experts at load (e.g. 4GiB), below the pools' capacity; "
                 "moe_elastic moves it with the memory left"),
-    Option("host_cache", None, metavar="SIZE",
+    Option("host_cache", None, metavar="SIZE", check=_host_cache,
            doc='a host-RAM tier for pools in device memory (layers offloaded to a GPU), as a size ("16GiB") '
                "or bytes: experts the pools read stay in host memory (pinned where the backend offers it), "
                "and a miss is written from there before the drive is asked. None: no tier. Refused where the "
