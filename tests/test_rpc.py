@@ -367,6 +367,65 @@ def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
     assert "devices: 0" in proc.stdout
 
 
+def _no_device_host(listener, stop):
+    """A host that shakes hands as a ggml-rpc-server does (HELLO: | cmd 14 | size (8 bytes) |
+    caps | -> | size | major 7, minor 0, patch 0, pad, caps |) and then offers no device
+    (DEVICE_COUNT, cmd 15: 0): the probe passes, ggml's add_server fails after it."""
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        with conn:
+            try:
+                while True:
+                    head = conn.recv(9, socket.MSG_WAITALL)
+                    if len(head) < 9:
+                        break
+                    size = int.from_bytes(head[1:], "little")
+                    caps = conn.recv(size, socket.MSG_WAITALL) if size else b""
+                    answer = bytes([7, 0, 0, 0]) + caps if head[0] == 14 else (0).to_bytes(4, "little")
+                    conn.sendall(len(answer).to_bytes(8, "little") + answer)
+            except OSError:
+                pass
+
+
+def test_a_list_that_fails_after_its_probe_leaves_nothing_registered(tmp_path, two_servers):
+    """63-14: a host that answers the handshake but offers no device fails the list in ggml's
+    add_server, after the probe; the good host listed before it is not left registered (it was:
+    each endpoint was registered as it was added), and the same good host alone registers after."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+    host = threading.Thread(target=_no_device_host, args=(listener, stop), daemon=True)
+    host.start()
+    good = two_servers.servers.split(",")[0]
+    code = textwrap.dedent(f"""
+        from empanel_gguf.engine import rpc
+        try:
+            rpc.add_servers("{good},127.0.0.1:{listener.getsockname()[1]}")
+        except rpc.RpcError as e:
+            print("RpcError:", e)
+        print("devices:", rpc.offload_devices())
+        rpc.add_servers("{good}")
+        print("then:", rpc.offload_devices())
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        stop.set()
+        host.join()
+        listener.close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "offers no devices" in proc.stdout, proc.stdout
+    assert "devices: 0" in proc.stdout and "then: 1" in proc.stdout, proc.stdout
+
+
 # a host lost while the client decodes: the decode fails (RpcError), the client goes on
 LOST_CHILD = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time
