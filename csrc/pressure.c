@@ -12,7 +12,9 @@
 //                                     (promised: budget not yet filled, which reads will take), never
 //                                     above a budget the app set (empanel_pool_set_budget)
 //
-// so moves down and up both leave 1.5 reserves free and the budget does not swing: the next move
+// A move down gives back at most PRESSURE_MAX_STEP_BYTES, so that none holds the pools' lock
+// for long; a larger cut goes on at the next poll, which comes at once.
+// So moves down and up both leave 1.5 reserves free and the budget does not swing: the next move
 // down needs another half of the reserve taken by someone else, the next move up a quarter of it
 // freed (narrower bands swing: docs/reliability.md). The events are how a limit lowered
 // under what the group holds gets through: cgroup v1 refuses such a write (EBUSY) after one
@@ -44,6 +46,8 @@
 #define PRESSURE_GROW_AFTER_SHRINK_NS 2000000000ull // no move up within 2 s of a move down
 #define PRESSURE_GROW_EVERY_NS         500000000ull // moves up at most every 0.5 s
 #define PRESSURE_EVENT_STREAK_NS      1000000000ull // events within 1 s of the last cut double the step
+#define PRESSURE_MAX_STEP_BYTES       (768ull << 20) // one move down gives back at most this (the kernel
+                                                    // frees ~14 GiB/s here: ~55 ms); the rest, at once after
 
 // several elastic pools in one process (two models) read the same memory: after one moves its
 // budget, the others wait for a fresh reading (two polls) instead of cutting for the same deficit
@@ -67,6 +71,7 @@ struct empanel_watch {
     int32_t                n_sources;
     uint64_t               last_shrink_ns, last_grow_ns;
     uint64_t               last_event_ns, event_step;  // the last cut for kernel events, its size
+    int                    owing;      // the last move down stopped at PRESSURE_MAX_STEP_BYTES: poll at once
     struct watched_source  sources[EMPANEL_MAX_MEMORY_SOURCES];
 };
 
@@ -353,11 +358,13 @@ static void poll_once(struct empanel_watch * w) {
         uint64_t cut = left < reserve ? reserve - left + reserve / 2 : 0;
         if (reclaim && left >= reserve) { // (below the reserve the reading explains the reclaim)
             const uint64_t most = resident > reserve ? resident : reserve;
-            w->event_step    = now - w->last_event_ns >= PRESSURE_EVENT_STREAK_NS ? reserve
-                             : w->event_step + w->event_step / 2 < most ? w->event_step + w->event_step / 2 : most;
+            const uint64_t grown = w->event_step + w->event_step / 2;
+            w->event_step    = now - w->last_event_ns >= PRESSURE_EVENT_STREAK_NS ? reserve : grown < most ? grown : most;
             w->last_event_ns = now;
             cut = w->event_step > cut ? w->event_step : cut;
         }
+        w->owing = cut > PRESSURE_MAX_STEP_BYTES;
+        cut      = w->owing ? PRESSURE_MAX_STEP_BYTES : cut;
         const uint64_t target = resident > cut ? resident - cut : 0;
         if (target < budget && budget > pool->budget.floor_bytes) {
             shrink_locked(w, target, now);
@@ -383,7 +390,7 @@ static void wait_for_poll(struct empanel_watch * w) {
             fds[n++] = (struct pollfd) { .fd = w->sources[i].event_fd, .events = POLLIN };
         }
     }
-    const int ms = (int) (w->interval_ns / 1000000);
+    const int ms = w->owing ? 0 : (int) (w->interval_ns / 1000000);
     while (poll(fds, n, ms) < 0 && errno == EINTR) {
     }
 }
