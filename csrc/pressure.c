@@ -71,7 +71,7 @@ struct empanel_watch {
     int32_t                n_sources;
     uint64_t               last_shrink_ns, last_grow_ns;
     uint64_t               last_event_ns, event_step;  // the last cut for kernel events, its size
-    int                    owing;      // the last move down stopped at PRESSURE_MAX_STEP_BYTES: poll at once
+    int                    owing;      // the last poll's move down stopped at PRESSURE_MAX_STEP_BYTES: poll at once
     struct watched_source  sources[EMPANEL_MAX_MEMORY_SOURCES];
 };
 
@@ -322,6 +322,7 @@ static void poll_once(struct empanel_watch * w) {
     struct empanel_pool * pool = w->pool;
     const uint64_t now      = empanel_util_now_ns();
     uint64_t       n_unread = 0;
+    w->owing = 0; // (set again below only by a move down that stopped short)
     const uint64_t left     = sources_left(w->sources, w->n_sources, &n_unread);
     const int      heard    = kernel_reclaims(w->sources, w->n_sources);
     const uint64_t reserve  = pool->pressure.reserve_bytes;
@@ -363,11 +364,12 @@ static void poll_once(struct empanel_watch * w) {
             w->last_event_ns = now;
             cut = w->event_step > cut ? w->event_step : cut;
         }
-        w->owing = cut > PRESSURE_MAX_STEP_BYTES;
-        cut      = w->owing ? PRESSURE_MAX_STEP_BYTES : cut;
+        const int capped = cut > PRESSURE_MAX_STEP_BYTES;
+        cut = capped ? PRESSURE_MAX_STEP_BYTES : cut;
         const uint64_t target = resident > cut ? resident - cut : 0;
         if (target < budget && budget > pool->budget.floor_bytes) {
             shrink_locked(w, target, now);
+            w->owing = capped; // (a budget at the floor owes nothing more: no poll at once)
         }
     } else if (left > reserve && left - reserve > promised + 3 * (reserve / 4) && budget < ceiling &&
                now - w->last_shrink_ns >= PRESSURE_GROW_AFTER_SHRINK_NS && now - w->last_grow_ns >= PRESSURE_GROW_EVERY_NS) {

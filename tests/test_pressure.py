@@ -220,6 +220,27 @@ def test_a_budget_the_app_sets_is_a_ceiling(tmp_path):
         llm.close()
 
 
+def test_a_long_deficit_at_the_floor_polls_at_its_interval(tmp_path):
+    """A deficit larger than one move down's most (768 MiB) is given back in steps, the next poll
+    at once; once the budget is at the floor nothing more is owed, and the controller goes back to
+    its interval instead of polling in a loop (a core at 100 % for as long as memory stays low)."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    limit = 8 << 30
+    source = cgroup_v1(tmp_path, limit, limit, 0)  # nothing left: a deficit of 1.5 reserves
+    llm = Llama(str(path), n_ctx=256, verbose=False, moe_slots=128, moe_elastic=False)
+    try:
+        llm.eval(llm.tokenize(b"The quick brown fox"))
+        decode(llm, [], 4)
+        llm._experts.watch_memory([source], 1 << 30, interval_ms=20)
+        assert wait_for(lambda: llm.moe_stats()["budget"]["budget_bytes"] == llm.moe_stats()["budget"]["floor_bytes"])
+        time.sleep(0.2)
+        cpu = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - cpu < 0.3  # (a poll every 20 ms costs microseconds)
+    finally:
+        llm.close()
+
+
 def test_a_source_that_cannot_be_read_is_left_out(tmp_path, capfd):
     """A named file that cannot be opened leaves that source out, not the controller (63-4): the
     others are watched; a file that goes away at run time is counted (n_unread) and said once on
