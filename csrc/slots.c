@@ -121,13 +121,21 @@ void empanel_slots_sort_file_order(struct empanel_layer * layer, int32_t n) {
     }
 }
 
+// the pages of host tensor t's slots [begin, end) back to the kernel, the slots holding nothing;
+// 1 if the kernel refused them (pinned memory)
+static int release_run(struct empanel_tensor * t, int32_t begin, int32_t end) {
+    for (int32_t s = begin; s < end; s++) {
+        t->held[s] = -1;
+    }
+    return empanel_backend_memory_release(t->host + (uint64_t) begin * t->expert_size,
+                                          (uint64_t) (end - begin) * t->expert_size, 0) < 0;
+}
+
 int empanel_slots_release(struct empanel_layer * layer, int32_t slot) {
     int refused = 0;
     for (int32_t i = 0; i < layer->n_tensors; i++) {
-        struct empanel_tensor * t = &layer->tensors[i];
-        if (t->host != NULL) {
-            refused |= empanel_backend_memory_release(t->host + (uint64_t) slot * t->expert_size, t->expert_size, 0) < 0;
-            t->held[slot] = -1;
+        if (layer->tensors[i].host != NULL) {
+            refused |= release_run(&layer->tensors[i], slot, slot + 1);
         }
     }
     return refused ? -1 : 0;
@@ -225,12 +233,11 @@ static void release_pending(struct empanel_pool * pool) {
                     s++;
                     continue;
                 }
-                int32_t end = s;
+                int32_t end = s + 1;
                 while (end < layer->n_slots && t->held[end] == SLOT_RELEASE_PENDING) {
-                    t->held[end++] = -1;
+                    end++;
                 }
-                refused  |= empanel_backend_memory_release(t->host + (uint64_t) s * t->expert_size,
-                                                           (uint64_t) (end - s) * t->expert_size, 0) < 0;
+                refused  |= release_run(t, s, end);
                 n_tensor += end - s;
                 s = end;
             }

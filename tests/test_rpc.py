@@ -341,30 +341,45 @@ def test_exec_with_rpc(tmp_path, two_servers):
     assert proc.stdout.strip().endswith(f"{two_servers.endpoints} True True"), proc.stdout
 
 
+def _listener():
+    """A socket listening on a free loopback port (its port: getsockname()[1])."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    return sock
+
+
+def _add_servers_in_child(tmp_path, servers, then=None, **env):
+    """rpc.add_servers(servers) in a fresh process (then add_servers(then), where given): its
+    stdout, which says the RpcError, "devices: N" after the list and "then: N" after `then`."""
+    code = textwrap.dedent(f"""
+        from empanel_gguf.engine import rpc
+        try:
+            rpc.add_servers({servers!r})
+        except rpc.RpcError as e:
+            print("RpcError:", e)
+        print("devices:", rpc.offload_devices())
+        if {then!r} is not None:
+            rpc.add_servers({then!r})
+            print("then:", rpc.offload_devices())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(**env), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_busy_or_mute_server_is_an_error_not_a_hang(tmp_path):
     """A server that accepts but never answers the handshake (one busy with another client
     looks so) is an RpcError after EMPANEL_RPC_TIMEOUT seconds, and nothing of the list stays
     registered."""
-    mute = socket.socket()
-    mute.bind(("127.0.0.1", 0))
-    mute.listen(4)
-    port = mute.getsockname()[1]
-    code = textwrap.dedent(f"""
-        from empanel_gguf.engine import rpc
-        try:
-            rpc.add_servers("127.0.0.1:{port}")
-        except rpc.RpcError as e:
-            print("RpcError:", e)
-        print("devices:", rpc.offload_devices())
-    """)
+    mute = _listener()
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(EMPANEL_RPC_TIMEOUT="1"),
-                              capture_output=True, text=True, timeout=60)
+        out = _add_servers_in_child(tmp_path, f"127.0.0.1:{mute.getsockname()[1]}", EMPANEL_RPC_TIMEOUT="1")
     finally:
         mute.close()
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "no answer to the handshake in 1.0 s" in proc.stdout, proc.stdout
-    assert "devices: 0" in proc.stdout
+    assert "no answer to the handshake in 1.0 s" in out, out
+    assert "devices: 0" in out
 
 
 def _no_device_host(listener, stop):
@@ -397,33 +412,19 @@ def test_a_list_that_fails_after_its_probe_leaves_nothing_registered(tmp_path, t
     each endpoint was registered as it was added), and the same good host alone registers after."""
     import threading
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
+    listener = _listener()
     stop = threading.Event()
     host = threading.Thread(target=_no_device_host, args=(listener, stop), daemon=True)
     host.start()
     good = two_servers.servers.split(",")[0]
-    code = textwrap.dedent(f"""
-        from empanel_gguf.engine import rpc
-        try:
-            rpc.add_servers("{good},127.0.0.1:{listener.getsockname()[1]}")
-        except rpc.RpcError as e:
-            print("RpcError:", e)
-        print("devices:", rpc.offload_devices())
-        rpc.add_servers("{good}")
-        print("then:", rpc.offload_devices())
-    """)
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True,
-                              text=True, timeout=60)
+        out = _add_servers_in_child(tmp_path, f"{good},127.0.0.1:{listener.getsockname()[1]}", then=good)
     finally:
         stop.set()
         host.join()
         listener.close()
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "offers no devices" in proc.stdout, proc.stdout
-    assert "devices: 0" in proc.stdout and "then: 1" in proc.stdout, proc.stdout
+    assert "offers no devices" in out, out
+    assert "devices: 0" in out and "then: 1" in out, out
 
 
 # a host lost while the client decodes: the decode fails (RpcError), the client goes on

@@ -109,22 +109,22 @@ def _subst(value):
     return value
 
 
-def _budget(value):
-    if value is None:
-        return None
+def _positive_size(value, forms):
+    """value (bytes, or a size such as "4GiB") as bytes > 0; ValueError naming the forms."""
     size = value if _is_int(value) else parse_size(str(value))
     if size is None or size <= 0:
-        raise ValueError('a size ("4GiB") or bytes of resident experts over all layers, or None')
+        raise ValueError(forms)
     return size
+
+
+def _budget(value):
+    return None if value is None else _positive_size(value, 'a size ("4GiB") or bytes of resident experts over '
+                                                             "all layers, or None")
 
 
 def _host_cache(value):
-    if value is None or value == 0:
-        return value
-    size = value if _is_int(value) else parse_size(str(value))
-    if size is None or size <= 0:
-        raise ValueError('a size ("8GiB") or bytes of host memory, or None')
-    return size
+    return value if value is None or value == 0 else _positive_size(value, 'a size ("8GiB") or bytes of host '
+                                                                             "memory, or None")
 
 
 SLOTS_NONE = ("", "none", "off", "no", "false", "0")  # moe_slots texts that mean None: stock, no pools

@@ -45,7 +45,8 @@ def resolve_repack(repack, plan) -> bool:
     (--no-repack), by layout.resolve_layout's rule: "auto" keeps stock's defaults where no pool
     pages or waves may be masked (a device to offload to, or EMPANEL_WAVE_MASK=1: masked waves
     over plain Q4_K pools are not exact to stock --no-repack, tests/test_slots.py), else plain
-    pools, measured faster on every paged row of this VM (docs/performance.md, "Layouts"). plan_load also follows this machine's saved measurement (`empanel-gguf layout`)."""
+    pools, measured faster on every paged row of this VM (docs/performance.md, "Layouts").
+    plan_load also follows this machine's saved measurement (`empanel-gguf layout`)."""
     return resolve_layout(OPTION["repack"].checked(repack), plan, None, waves_may_be_masked()).repack
 
 
