@@ -92,6 +92,7 @@ int32_t empanel_pool_budget(struct empanel_pool * pool, struct empanel_budget_st
     out->lowest_bytes     = pool->budget.lowest_bytes;
     out->n_changes        = pool->budget.n_changes;
     out->given_back_bytes = pool->budget.given_back_bytes;
+    out->max_over_bytes   = pool->budget.max_over_bytes;
     out->fixed            = pool->budget.fixed_why != NULL;
     out->elastic          = pool->pressure.watch != NULL;
     out->n_shrinks        = pool->pressure.n_shrinks;

@@ -287,6 +287,8 @@ struct empanel_budget_stats {
     uint64_t n_unread;         // readings of a memory source that failed (said once on stderr)
     int32_t  hears_kernel;     // 1: the kernel's reclaim events are heard (cgroup v1 memory.pressure_level)
     double   max_lock_wait_ms; // of max_shrink_ms: the longest wait for the pool's lock (remaps, reads, preload)
+    uint64_t max_over_bytes;   // the most resident_bytes exceeded the budget: at most the pools of the
+                               // layer computing now and of the layers with reads in flight
 };
 // move the budget while the pools run (bytes, clamped to [floor, capacity]): a lower one empties
 // the least recently used slots of any layer at once, their pages back to the kernel, but those

@@ -27,6 +27,7 @@
     X(given_back_bytes, counter, "budget_given_back_bytes_total", "Expert bytes emptied over the budget, pages returned to the kernel.") \
     X(n_shrinks,        counter, "budget_shrinks_total",         "The controller's moves down (memory left below its reserve).") \
     X(n_grows,          counter, "budget_grows_total",           "The controller's moves up (memory free again).") \
+    X(max_over_bytes,   gauge,   "budget_max_over_bytes",        "The most resident expert bytes exceeded the budget.") \
     X(elastic,          gauge,   "budget_elastic",               "1 if the controller moves the budget with the memory left (moe_elastic).")
 
 void empanel_metrics_write_json(FILE * out, struct empanel_pool * pool, double seconds, int32_t n_masked,

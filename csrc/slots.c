@@ -266,6 +266,10 @@ static uint64_t fit_budget(struct empanel_pool * pool, uint64_t need, uint64_t k
     if (defer && before > pool->budget.resident_bytes) {
         release_pending(pool);
     }
+    const uint64_t after = pool->budget.resident_bytes + need; // what the budget will hold
+    if (after > pool->budget.bytes && after - pool->budget.bytes > pool->budget.max_over_bytes) {
+        pool->budget.max_over_bytes = after - pool->budget.bytes;
+    }
     return before - pool->budget.resident_bytes;
 }
 

@@ -61,6 +61,7 @@ struct empanel_budget {
     uint64_t  given_back_bytes; // bytes of experts emptied while over the budget (their pages returned)
     uint64_t  ceiling_bytes;    // the budget the app set (empanel_pool_set_budget): the controller
                                 // grows no higher; 0: none set, the capacity
+    uint64_t  max_over_bytes;   // the most resident bytes exceeded the budget (slots make_room kept)
     uint64_t  busy_call;        // the remap call of the layer computing now (remap.c): its slots stay
     const char * fixed_why;     // why this pool's budget cannot move (NULL: it can)
     int32_t   n_entries;     // slots of all layers

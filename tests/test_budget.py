@@ -262,3 +262,88 @@ def test_a_move_down_does_not_wait_for_the_preload(tmp_path):
     finally:
         llm.close()
     assert np.array_equal(logits, stock_logits(path, exact_to, [(None, 4)], n_ctx=64))
+
+
+def test_a_move_down_left_owing_spares_the_next_hits(tmp_path):
+    """A move down that must leave the busy layer's slots (the layer computing now) is paid at the
+    layer's next remap, after that micro-batch's hits are marked (63-7): no expert routed there
+    that was resident is evicted and read again. One MoE layer, so that the layer computing now
+    and the next remap's layer are the same; three rounds of a 3-token batch (its experts all
+    busy), the budget cut to the floor, then one token."""
+    from empanel_gguf.models.fixtures import FixtureSpec, write_model
+
+    spec = FixtureSpec("owing-spares-hits", "qwen3moe", n_layer=1, n_expert=16, n_expert_used=4,
+                       weight_type="Q8_0", seed=23)
+    path = write_model(spec, tmp_path / "one-layer.gguf")
+    llm = Llama(str(path), n_ctx=128, logits_all=True, verbose=False, moe_slots=12)
+    overlap = 0
+    try:
+        budget = llm.moe_stats()["budget"]
+        floor, capacity = budget["floor_bytes"], budget["capacity_bytes"]
+        layer = next(iter(llm.moe_stats()["layers"]))
+        tokens = llm.tokenize(PROMPT)
+        for batch in (tokens[:3], tokens[3:6], tokens[6:9]):
+            llm.moe_set_budget(capacity)
+            llm.eval(batch)
+            llm.moe_set_budget(floor)
+            held = {e for e in llm._experts.slot_table(layer) if e >= 0}  # the batch's, busy
+            left = llm.moe_stats()["budget"]
+            assert left["resident_bytes"] > floor  # the busy slots stayed: the move is owed
+            misses = llm.moe_stats()["total"]["misses"]
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            after = llm.moe_stats()
+            routed = {e for e in llm._experts.slot_table(layer) if e >= 0}
+            assert len(routed) == spec.n_expert_used and after["budget"]["resident_bytes"] <= floor
+            overlap += len(routed & held)
+            # only the routed experts that were not held are read
+            assert after["total"]["misses"] - misses == len(routed - held), (routed, held)
+        logits = np.array(llm.scores[: llm.n_tokens], copy=True)
+        exact_to, ids = llm.moe_stats()["exact_to"], [int(t) for t in llm._input_ids[: llm.n_tokens]]
+    finally:
+        llm.close()
+    assert overlap > 0  # (the check has teeth: held experts were routed again)
+    stock = Llama(str(path), n_ctx=128, logits_all=True, verbose=False, moe_repack=exact_to != "llama.cpp --no-repack")
+    try:
+        for at in range(0, len(ids), 4):  # the same batches: 3 tokens, then 1
+            stock.eval(ids[at:at + 3])
+            stock.eval(ids[at + 3:at + 4])
+        assert np.array_equal(logits, np.array(stock.scores[: stock.n_tokens]))
+    finally:
+        stock.close()
+
+
+def test_the_budget_is_exceeded_by_busy_and_reading_layers_at_most(tmp_path):
+    """A move down keeps what it may not empty now (63-5): the slots of the layer computing now and
+    of the layers whose reads are in flight (they would land in released pages; read-ahead is one
+    of them). So the budget can be exceeded by at most those layers' pools: the layer computing
+    now and one per read lane. A thread moves the budget at random while a decode reads two layers
+    ahead; max_over_bytes, the most it was exceeded, stays within that, and the logits equal
+    stock's."""
+    path = fixtures.write_fixture("qwen3moe-q8_0", tmp_path)
+    index = load_index(path)
+    llm = Llama(str(path), n_ctx=256, logits_all=True, verbose=False, moe_slots=8, moe_policy="lru",
+                moe_prefetch=2)
+    stop = threading.Event()
+
+    def move():
+        budget = llm.moe_stats()["budget"]
+        rng = random.Random(11)
+        while not stop.is_set():
+            llm.moe_set_budget(rng.choice([budget["floor_bytes"], budget["capacity_bytes"]]))
+            stop.wait(0.0005)
+
+    mover = threading.Thread(target=move)
+    try:
+        mover.start()
+        logits, _ = decode(llm, [(None, 40)])
+        stop.set()
+        mover.join()
+        stats = llm.moe_stats()
+    finally:
+        stop.set()
+        llm.close()
+    pool_bytes = max(8 * layer.expert_bytes for layer in index.layers)
+    over = stats["budget"]["max_over_bytes"]
+    assert stats["total"]["prefetched"] > 0 and stats["budget"]["n_changes"] > 10
+    assert over <= (1 + 2) * pool_bytes, (over, pool_bytes)  # the layer computing now, 2 read lanes
+    assert np.array_equal(logits, stock_logits(path, stats["exact_to"], [(None, 40)], n_ctx=256))

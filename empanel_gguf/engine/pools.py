@@ -136,7 +136,7 @@ class ExpertPools:
         (budget_bytes, capacity_bytes, floor_bytes, resident_bytes, lowest_bytes, n_changes,
         given_back_bytes, elastic, fixed, n_shrinks, n_grows, available_bytes (None: unknown),
         reserve_bytes, last_shrink_ms, max_shrink_ms, ceiling_bytes, n_events, n_unread,
-        hears_kernel, max_lock_wait_ms)."""
+        hears_kernel, max_lock_wait_ms, max_over_bytes)."""
         out = self.n.ffi.new("struct empanel_budget_stats *")
         self.n.sidecar.empanel_pool_budget(self.pool, out)
         figures = {name: getattr(out, name) for name, _ in self.n.ffi.typeof(out[0]).fields}
