@@ -3,6 +3,7 @@
 memory runs low, up again once it is free, without swinging. Fake cgroup trees stand for the
 kernel's files here; tests/test_neighbour.py runs a real cgroup with a real neighbour."""
 
+import threading
 import time
 from pathlib import Path
 
@@ -281,3 +282,52 @@ def test_a_reserve_is_bounded(tmp_path):
         assert not llm.moe_stats()["budget"]["elastic"]
     finally:
         llm.close()
+
+
+def test_two_pools_give_back_one_shortfall_once(tmp_path):
+    """Two models in one process watch the same memory: when it runs short, one of them gives the
+    shortfall back and the other, seeing a move of this process whose pages are not in its reading
+    yet, waits for the next reading instead of cutting for the same shortfall (63-6: the time of
+    that move is compared without wrapping when the other pool stored a later one). A thread plays
+    the kernel: the pages given back come off the usage 12 ms later, within both pools' next poll
+    (every 20 ms)."""
+    path = fixtures.write_fixture("qwen3moe-rss", tmp_path)
+    limit, reserve = 4 << 30, 4 * MiB
+    used = limit - 1 * MiB  # a shortfall of 3 MiB: a cut of 5 (half a reserve more)
+    cut = 5 * MiB
+    source = cgroup_v1(tmp_path, limit, 1 << 30, 0)
+    models = [Llama(str(path), n_ctx=256, verbose=False, moe_slots=128, moe_elastic=False) for _ in range(2)]
+    stop = threading.Event()
+
+    def kernel():
+        given = 0
+        while not stop.is_set():
+            now = sum(m.moe_stats()["budget"]["given_back_bytes"] for m in models)
+            if now != given:
+                stop.wait(0.012)
+                Path(source["usage"]).write_text(f"{used - now}\n")
+                given = now
+            stop.wait(0.001)
+
+    thread = threading.Thread(target=kernel)
+    try:
+        for llm in models:
+            llm.eval(llm.tokenize(b"The quick brown fox"))
+            decode(llm, [], 4)
+            assert llm.moe_stats()["budget"]["resident_bytes"] > 2 * cut
+            llm._experts.watch_memory([source], reserve, interval_ms=20)
+        Path(source["usage"]).write_text(f"{used}\n")  # another program takes memory
+        thread.start()
+        assert wait_for(lambda: any(m.moe_stats()["budget"]["n_shrinks"] for m in models))
+        time.sleep(1.0)
+        budgets = [m.moe_stats()["budget"] for m in models]
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        for llm in models:
+            llm.close()
+    given = sum(b["given_back_bytes"] for b in budgets)
+    assert sorted(b["n_shrinks"] for b in budgets) == [0, 1], budgets
+    expert = max(layer.expert_bytes for layer in load_index(path).layers)
+    assert cut <= given < cut + expert, (given, budgets)  # one cut, in whole experts
