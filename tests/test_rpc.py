@@ -528,6 +528,134 @@ def test_host_lost_during_a_decode_is_an_error_not_an_abort(tmp_path, how):
     assert result["closed"]
 
 
+def _cutting_link(listener, host, arm, stop, cut):
+    """A link to `host` (its port) that forwards both ways and, once the file `arm` exists, cuts
+    the connection (both sockets) where the client's second SET_TENSOR_HASH (cmd 7) of a batch
+    would pass: inside one batch of writes by hash, the first of them sent. Client frames are
+    | cmd (1 byte) | size (8 bytes) | payload |; cut is set once it cut."""
+    import threading
+
+    def pump(src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def client_to_host(conn, upstream):
+        seen = 0
+        try:
+            while head := conn.recv(9, socket.MSG_WAITALL):
+                size = int.from_bytes(head[1:], "little")
+                payload = conn.recv(size, socket.MSG_WAITALL) if size else b""
+                if head[0] == 7 and not cut.is_set() and os.path.exists(arm):
+                    seen += 1
+                    if seen == 2:
+                        cut.set()
+                        break
+                upstream.sendall(head + payload)
+        except OSError:
+            pass
+        for sock in (conn, upstream):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        upstream = socket.create_connection(("127.0.0.1", host))
+        for sock in (conn, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=client_to_host, args=(conn, upstream), daemon=True).start()
+        threading.Thread(target=pump, args=(upstream, conn), daemon=True).start()
+
+
+CUT_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from empanel_gguf import Llama
+    from empanel_gguf.engine import rpc
+    from empanel_gguf.commands.options import default_model_path
+    from empanel_gguf.lab.exactness import greedy_logits
+
+    servers, arm, out = sys.argv[1:4]
+    path = str(default_model_path())
+    text = b"Once upon a time, in a land far away"
+    kw = dict(n_ctx=512, logits_all=True, verbose=False, rpc_servers=servers, n_threads=1)
+    llm = Llama(path, **kw)  # the reference: the same placement, without slots
+    ref, ref_tokens = greedy_logits(llm, text, 4)
+    llm.close()
+    llm = Llama(path, moe_slots="25%", **kw)
+    greedy_logits(llm, text, 4)  # the experts' bytes sent with the cache flag: later misses by hash
+    llm.reset()
+    result = {"by_hash_before": llm.moe_stats()["total"]["remote_by_hash"]}
+    open(arm, "w").close()  # the link cuts inside the next batch of writes by hash
+    try:
+        for n, _ in enumerate(llm.create_completion("ROMEO:", max_tokens=100, temperature=0.0, stream=True)):
+            pass
+        result["caught"] = None
+    except rpc.RpcError as e:
+        result["caught"] = str(e)
+    deadline = time.monotonic() + 60
+    while True:  # the link passes again: the same Llama loads anew on the host, exact again
+        try:
+            llm.reset()
+            logits, tokens = greedy_logits(llm, text, 4)
+            break
+        except rpc.RpcError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    stats = llm.moe_stats()["total"]
+    result.update(equal=bool((logits == ref).all()) and tokens == ref_tokens, reloads=stats["rpc_reloads"],
+                  by_hash_after=stats["remote_by_hash"], copy_bytes=stats["copy_bytes"])
+    llm.close()
+    json.dump(result, open(out, "w"))
+""")
+
+
+def test_a_host_cut_inside_a_batch_by_hash_fails_the_token_and_comes_back(tmp_path):
+    """63-10 and 63-13: the connection to a host cut inside one batch of writes by hash (a link
+    that drops it at the batch's second write). Those writes are not answered (patch 0008: 2, not
+    "not held"), so the host's cache is not taken for gone and no bytes count as sent: the token
+    fails with RpcError naming the host, the same Llama loads anew once the link passes again,
+    gives the reference logits, and its misses go by hash again, the cache kept."""
+    import threading
+
+    servers = RpcServers(tmp_path / "srv", caches=(True,))
+    listener = _listener()
+    stop, cut = threading.Event(), threading.Event()
+    arm = tmp_path / "arm"
+    link = threading.Thread(target=_cutting_link, args=(listener, int(servers.endpoints[0].rsplit(":", 1)[1]),
+                                                        str(arm), stop, cut), daemon=True)
+    link.start()
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+    out = tmp_path / "cut.json"
+    try:
+        proc = subprocess.run([sys.executable, "-c", CUT_CHILD, endpoint, str(arm), str(out)], cwd=tmp_path,
+                              env=child_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        stop.set()
+        link.join()
+        listener.close()
+        servers.stop()
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert cut.is_set() and result["by_hash_before"] > 0, result
+    assert result["caught"] and f"RPC server {endpoint}" in result["caught"], result
+    assert result["equal"] and result["reloads"] == 1, result
+    assert result["by_hash_after"] > 0 and result["copy_bytes"] == 0, result  # the host's cache, kept
+
+
 def _reloads(base):
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
         found = re.search(r"^empanel_rpc_reloads_total (\S+)$", response.read().decode(), re.M)
