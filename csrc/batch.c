@@ -387,17 +387,16 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
         empanel_host_cache_batch_landed(pool, batch, 0);
         return -1; // the batch's slots stay marked as holding nothing
     }
+    // device pools: written here, between the reads and the next kernel; RPC hosts' together
+    if (empanel_remote_write_jobs(pool, layer, batch->jobs, batch->n_jobs) != 0) {
+        return -1;
+    }
     for (int32_t j = 0; j < batch->n_jobs; j++) {
         const struct empanel_read_job * job = &batch->jobs[j];
-        if (job->convert != 2 || !job->landed) {
+        if (job->convert != 2 || !job->landed || job->tensor->remote != NULL) {
             continue;
         }
-        // device pools: written here, between the reads and the next kernel
-        if (job->tensor->remote != NULL) {
-            if (empanel_remote_write_job(pool, layer, job) != 0) {
-                return -1;
-            }
-        } else if (empanel_chunk_convert(pool, job) != 0) {
+        if (empanel_chunk_convert(pool, job) != 0) {
             empanel_host_cache_batch_landed(pool, batch, 0);
             return -1;
         } else {

@@ -35,18 +35,53 @@ void empanel_remote_free(struct empanel_remote * remote) {
     free(remote);
 }
 
-// staging -> a slot on an RPC host: by hash if the host's cache holds these bytes (from
-// an earlier run), else the bytes, for the host to keep; sent bytes count in copy_bytes. With
-// moe_verify the very bytes checked here are sent.
-int empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
-    struct empanel_tensor * t = job->tensor;
-    if (job->remote_hash != 0) { // taken when it landed (not with moe_verify)
-        t->remote->hash[job->expert] = job->remote_hash;
-        if (empanel_rpc_write_by_hash(t->pool, job->slot, job->remote_hash)) {
-            layer->stats.remote_by_hash += 1;
-            return 0;
+// writes by hash asked of the hosts at once, at most BY_HASH_MAX
+#define BY_HASH_MAX 128
+struct by_hash {
+    int32_t  n;
+    void *   pools[BY_HASH_MAX];
+    int32_t  slots[BY_HASH_MAX];
+    uint64_t hashes[BY_HASH_MAX];
+    struct empanel_tensor * tensor[BY_HASH_MAX];
+    int32_t  expert[BY_HASH_MAX];
+    size_t   at[BY_HASH_MAX];     // index into written
+};
+
+// ok[k] from the hosts: 1 written, 0 not held, 2 not answered (the connection failed: its zeros
+// are no answer, patch 0008)
+static void by_hash_send(struct empanel_layer * layer, struct by_hash * q, uint8_t * written) {
+    uint8_t ok[BY_HASH_MAX];
+    empanel_rpc_write_by_hash_many(q->pools, q->slots, q->hashes, q->n, ok);
+    for (int32_t k = 0; k < q->n; k++) {
+        struct empanel_tensor * t = q->tensor[k];
+        written[q->at[k]] = ok[k] == 1;
+        layer->stats.remote_by_hash += ok[k] == 1;
+        if (ok[k] == 0 && t->remote->sent[q->expert[k]]) {
+            t->remote->cache = 0; // sent with the cache flag, yet not held: the host keeps no cache
         }
     }
+    q->n = 0;
+}
+
+// expert -> slot of tensor t by its known hash, asked with the others of q (written[at] answers)
+static void by_hash_add(struct empanel_layer * layer, struct by_hash * q, uint8_t * written, struct empanel_tensor * t,
+                        int32_t expert, int32_t slot, size_t at) {
+    q->pools[q->n]  = t->pool;
+    q->slots[q->n]  = slot;
+    q->hashes[q->n] = t->remote->hash[expert];
+    q->tensor[q->n] = t;
+    q->expert[q->n] = expert;
+    q->at[q->n++]   = at;
+    if (q->n == BY_HASH_MAX) {
+        by_hash_send(layer, q, written);
+    }
+}
+
+// a landed job's bytes, staging -> its slot on the RPC host, with the cache flag where the host
+// keeps what it is sent; sent bytes count in copy_bytes. With moe_verify the very bytes checked
+// here are sent. 0, or -1 with the error recorded
+static int send_bytes(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job) {
+    struct empanel_tensor * t = job->tensor;
     const int sent = t->remote->cache ? empanel_rpc_write_cached(t->pool, job->slot, job->dst, t->expert_size)
                                      : empanel_backend_slot_write(t->pool, job->slot, job->dst, t->expert_size);
     if (sent == 0) {
@@ -58,32 +93,35 @@ int empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * 
     return -1;
 }
 
-// writes by hash asked of the hosts at once (empanel_remote_by_hash), at most BY_HASH_MAX
-#define BY_HASH_MAX 128
-struct by_hash {
-    int32_t  n;
-    void *   pools[BY_HASH_MAX];
-    int32_t  slots[BY_HASH_MAX];
-    uint64_t hashes[BY_HASH_MAX];
-    int32_t  tensor[BY_HASH_MAX]; // layer->tensors index
-    int32_t  expert[BY_HASH_MAX];
-    size_t   at[BY_HASH_MAX];     // index into written
-};
+static int remote_landed(const struct empanel_read_job * job) {
+    return job->convert == 2 && job->landed && job->tensor->remote != NULL;
+}
 
-// ok[k] from the hosts: 1 written, 0 not held, 2 not answered (the connection failed: its zeros
-// are no answer, patch 0008)
-static void by_hash_send(struct empanel_layer * layer, struct by_hash * q, uint8_t * written) {
-    uint8_t ok[BY_HASH_MAX];
-    empanel_rpc_write_by_hash_many(q->pools, q->slots, q->hashes, q->n, ok);
-    for (int32_t k = 0; k < q->n; k++) {
-        struct empanel_tensor * t = &layer->tensors[q->tensor[k]];
-        written[q->at[k]] = ok[k] == 1;
-        layer->stats.remote_by_hash += ok[k] == 1;
-        if (ok[k] == 0 && t->remote->sent[q->expert[k]]) {
-            t->remote->cache = 0; // sent with the cache flag, yet not held: the host keeps no cache
+int empanel_remote_write_jobs(struct empanel_pool * pool, struct empanel_layer * layer,
+                              const struct empanel_read_job * jobs, int32_t n_jobs) {
+    uint8_t * written = calloc((size_t) (n_jobs > 0 ? n_jobs : 1), 1); // [n_jobs]
+    if (written == NULL) {
+        empanel_util_set_error(pool, "writing a batch to its RPC host: out of memory");
+        return -1;
+    }
+    struct by_hash q;
+    q.n = 0;
+    for (int32_t j = 0; j < n_jobs; j++) {
+        const struct empanel_read_job * job = &jobs[j];
+        if (remote_landed(job) && job->remote_hash != 0) { // hashed as it landed (not with moe_verify)
+            job->tensor->remote->hash[job->expert] = job->remote_hash;
+            by_hash_add(layer, &q, written, job->tensor, job->expert, job->slot, (size_t) j);
         }
     }
-    q->n = 0;
+    by_hash_send(layer, &q, written);
+    int rc = 0;
+    for (int32_t j = 0; j < n_jobs && rc == 0; j++) {
+        if (remote_landed(&jobs[j]) && !written[j]) {
+            rc = send_bytes(pool, layer, &jobs[j]);
+        }
+    }
+    free(written);
+    return rc;
 }
 
 // misses on an RPC host's pools whose bytes the host may hold (sent before, or hashed at an
@@ -100,15 +138,7 @@ void empanel_remote_by_hash(struct empanel_layer * layer, int32_t t0, int32_t t1
             if (t->remote == NULL || !t->remote->cache || t->remote->hash[experts[m]] == 0) { // (never known with moe_verify)
                 continue;
             }
-            q.pools[q.n]  = t->pool;
-            q.slots[q.n]  = slots[m];
-            q.hashes[q.n] = t->remote->hash[experts[m]];
-            q.tensor[q.n] = i;
-            q.expert[q.n] = experts[m];
-            q.at[q.n++]   = j;
-            if (q.n == BY_HASH_MAX) {
-                by_hash_send(layer, &q, written);
-            }
+            by_hash_add(layer, &q, written, &layer->tensors[i], experts[m], slots[m], j);
         }
     }
     by_hash_send(layer, &q, written);

@@ -24,9 +24,11 @@ struct empanel_remote {
 // a tensor's remote state for n_expert experts (cache assumed), or NULL (out of memory)
 struct empanel_remote * empanel_remote_init(int32_t n_expert);
 void empanel_remote_free(struct empanel_remote * remote);
-// staging -> the slot of a landed job on an RPC host: by hash, else the bytes; 0, or -1 with the
-// error recorded
-int  empanel_remote_write_job(struct empanel_pool * pool, struct empanel_layer * layer, const struct empanel_read_job * job);
+// staging -> the slots of a batch's landed jobs on RPC hosts: those the reader hashed offered by
+// hash together (one round trip per host and 128 of them: the host's cache may hold them from an
+// earlier run), then the bytes of the rest; 0, or -1 with the error recorded
+int  empanel_remote_write_jobs(struct empanel_pool * pool, struct empanel_layer * layer,
+                               const struct empanel_read_job * jobs, int32_t n_jobs);
 // the misses of a batch, experts[m] -> slots[m] of tensors [t0, t1) of the layer, that the hosts
 // may hold, asked in one round trip per host: written[(i - t0) * n + m] 1 if the host wrote the
 // expert's bytes into the slot from its cache (nothing to read), else 0 (not held, or not

@@ -13,6 +13,7 @@ import inspect
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from .engine.native import use_our_libraries
@@ -29,6 +30,7 @@ from .engine.rpc import wire_counts as rpc_wire_counts
 from .engine.stats import summary_line
 
 llama_cpp = use_our_libraries()
+from llama_cpp.llama_tokenizer import LlamaTokenizer  # noqa: E402  (after our libraries are chosen)
 set_offload_probe(lambda: offload_devices() > 0)  # the estimate's question, answered by this build
 set_unified_probe(unified_devices)  # moe_host_cache's: do the offload devices share host memory
 set_rpc_probe(lambda: rpc_devices() > 0)  # moe_guess's: are layers going to RPC hosts
@@ -161,8 +163,15 @@ class Llama(llama_cpp.Llama):
         self.close()
         try:
             Llama.__init__(self, model_path, *args, rpc_servers=rpc_servers, moe_load=moe_load, **kwargs)
-        except BaseException:
+        except BaseException as e:
             self._lost = lost  # try again at the next call
+            for name in ("_model", "_ctx", "_batch"):  # (their handles were freed by close())
+                setattr(self, name, _Unloaded(self, name))
+            if type(getattr(self, "tokenizer_", None)) is LlamaTokenizer:  # (it holds the model)
+                self.tokenizer_ = LlamaTokenizer(self)
+            if isinstance(e, ValueError) and str(e).startswith("Failed to load model"):
+                # (llama_cpp's words: a host answered the probe, then failed the load's connection)
+                raise lost_error(lost) from e
             raise
         self.rpc_reloads = reloads
 
@@ -272,6 +281,26 @@ class Llama(llama_cpp.Llama):
             super().close()
         if experts is not None:
             experts.free()  # after the model: its graph calls into the pools
+
+
+class _Unloaded:
+    """What stands for a Llama's model, context or batch (name) while its load anew after a lost
+    RPC host has failed: any use first tries that load again (the host may answer by now) and
+    then goes to the new one, or raises its RpcError; never a freed handle."""
+
+    def __init__(self, llama, name):
+        self._llama = weakref.ref(llama)
+        self._name = name
+
+    def __getattr__(self, attr):
+        llama = self._llama()
+        if llama is None or attr.startswith("__"):
+            raise AttributeError(attr)
+        llama._take_back_hosts()
+        loaded = getattr(llama, self._name)
+        if isinstance(loaded, _Unloaded):  # (taken back by none: nothing was lost)
+            raise RuntimeError(f"Llama.{self._name}: not loaded (its load anew after a lost RPC host failed)")
+        return getattr(loaded, attr)
 
 
 def _signature():

@@ -197,6 +197,25 @@ def test_split_over_two_servers_bit_identical_and_second_pass_by_hash(tmp_path, 
         assert two_servers.cached_files(i), f"server {i} cached nothing"
 
 
+def test_first_offers_by_hash_go_together(tmp_path):
+    """A new process on hosts whose caches hold the experts (an earlier client sent them): its
+    misses' hashes are not known before they are read, so each read expert is offered by hash as
+    it lands. The offers of a batch go back to back, one round trip per batch and host (63-11:
+    they went one per expert and tensor), and no expert's bytes cross the wire."""
+    servers = RpcServers(tmp_path / "srv", caches=(True, True))
+    try:
+        _run_child(tmp_path / "fill", "builtin", servers.servers)  # the hosts' caches fill
+        first, _ = _run_child(tmp_path / "again", "builtin", servers.servers)["passes"]
+    finally:
+        servers.stop()
+    assert first["equal"] and first["misses"] > 0 and first["bytes_read"] > 0, first
+    assert first["copy_bytes"] == 0, first  # every read expert was held by its host
+    # per wave one ask for the hashes known before the reads (experts read earlier in this process)
+    # and one per group of reads that fits the staging (mostly one): 108 here, 367 before
+    trips = first["by_command"]["set_tensor_hash"]
+    assert first["remote_by_hash"] > 3 * trips and trips <= 3 * first["n_waves"], first
+
+
 def test_hosts_back_answers_every_caller_within_its_second(two_servers):
     """Two models asking within one second whether their lost hosts answer again both hear it
     (63-15: the probe ran once a second for the whole process, and the second caller got 0, which
@@ -528,11 +547,14 @@ def test_host_lost_during_a_decode_is_an_error_not_an_abort(tmp_path, how):
     assert result["closed"]
 
 
-def _cutting_link(listener, host, arm, stop, cut):
+def _cutting_link(listener, host, arm, stop, cut, refuse=()):
     """A link to `host` (its port) that forwards both ways and, once the file `arm` exists, cuts
     the connection (both sockets) where the client's second SET_TENSOR_HASH (cmd 7) of a batch
     would pass: inside one batch of writes by hash, the first of them sent. Client frames are
-    | cmd (1 byte) | size (8 bytes) | payload |; cut is set once it cut."""
+    | cmd (1 byte) | size (8 bytes) | payload |; cut is set once it cut. After the cut, the
+    connections numbered in `refuse` (from 1) are closed at once: the load anew makes two probes
+    (1: the one that finds the host back, 2: the load's own), then ggml-rpc's connections (3, 4
+    and 5: the tries of the first)."""
     import threading
 
     def pump(src, dst):
@@ -568,10 +590,15 @@ def _cutting_link(listener, host, arm, stop, cut):
                 pass
 
     listener.settimeout(0.2)
+    after_cut = 0
     while not stop.is_set():
         try:
             conn, _ = listener.accept()
         except socket.timeout:
+            continue
+        after_cut += cut.is_set()
+        if after_cut in refuse:
+            conn.close()
             continue
         upstream = socket.create_connection(("127.0.0.1", host))
         for sock in (conn, upstream):
@@ -587,10 +614,10 @@ CUT_CHILD = textwrap.dedent("""
     from empanel_gguf.commands.options import default_model_path
     from empanel_gguf.lab.exactness import greedy_logits
 
-    servers, arm, out = sys.argv[1:4]
+    servers, arm, out, verbose = sys.argv[1:5]
     path = str(default_model_path())
     text = b"Once upon a time, in a land far away"
-    kw = dict(n_ctx=512, logits_all=True, verbose=False, rpc_servers=servers, n_threads=1)
+    kw = dict(n_ctx=512, logits_all=True, verbose=verbose == "1", rpc_servers=servers, n_threads=1)
     llm = Llama(path, **kw)  # the reference: the same placement, without slots
     ref, ref_tokens = greedy_logits(llm, text, 4)
     llm.close()
@@ -606,12 +633,14 @@ CUT_CHILD = textwrap.dedent("""
     except rpc.RpcError as e:
         result["caught"] = str(e)
     deadline = time.monotonic() + 60
+    result["failed_loads"] = 0
     while True:  # the link passes again: the same Llama loads anew on the host, exact again
         try:
             llm.reset()
             logits, tokens = greedy_logits(llm, text, 4)
             break
-        except rpc.RpcError:
+        except rpc.RpcError as e:
+            result["failed_loads"] += "was lost or a wait" not in str(e)  # the load anew failed (not: not back yet)
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
@@ -623,12 +652,18 @@ CUT_CHILD = textwrap.dedent("""
 """)
 
 
-def test_a_host_cut_inside_a_batch_by_hash_fails_the_token_and_comes_back(tmp_path):
+@pytest.mark.parametrize("refuse", [(), (2,), (3, 4, 5)], ids=["cut", "probe-refused", "connect-refused"])
+def test_a_host_cut_inside_a_batch_by_hash_fails_the_token_and_comes_back(tmp_path, refuse):
     """63-10 and 63-13: the connection to a host cut inside one batch of writes by hash (a link
     that drops it at the batch's second write). Those writes are not answered (patch 0008: 2, not
     "not held"), so the host's cache is not taken for gone and no bytes count as sent: the token
     fails with RpcError naming the host, the same Llama loads anew once the link passes again,
-    gives the reference logits, and its misses go by hash again, the cache kept."""
+    gives the reference logits, and its misses go by hash again, the cache kept. probe-refused:
+    the load anew fails at its own probe after the host was found back; the Llama must not reach
+    the freed model (a segmentation fault in tokenize) but raise RpcError and load at a later
+    call. connect-refused: the host refuses ggml-rpc's first connection at each of its three
+    tries (ggml-rpc aborted the process there): that connection fails, nothing aborts, and the
+    Llama comes back as before."""
     import threading
 
     servers = RpcServers(tmp_path / "srv", caches=(True,))
@@ -636,13 +671,13 @@ def test_a_host_cut_inside_a_batch_by_hash_fails_the_token_and_comes_back(tmp_pa
     stop, cut = threading.Event(), threading.Event()
     arm = tmp_path / "arm"
     link = threading.Thread(target=_cutting_link, args=(listener, int(servers.endpoints[0].rsplit(":", 1)[1]),
-                                                        str(arm), stop, cut), daemon=True)
+                                                        str(arm), stop, cut, refuse), daemon=True)
     link.start()
     endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
     out = tmp_path / "cut.json"
     try:
-        proc = subprocess.run([sys.executable, "-c", CUT_CHILD, endpoint, str(arm), str(out)], cwd=tmp_path,
-                              env=child_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", CUT_CHILD, endpoint, str(arm), str(out), str(int(3 in refuse))],
+                              cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
     finally:
         stop.set()
         link.join()
@@ -654,6 +689,10 @@ def test_a_host_cut_inside_a_batch_by_hash_fails_the_token_and_comes_back(tmp_pa
     assert result["caught"] and f"RPC server {endpoint}" in result["caught"], result
     assert result["equal"] and result["reloads"] == 1, result
     assert result["by_hash_after"] > 0 and result["copy_bytes"] == 0, result  # the host's cache, kept
+    if 2 in refuse:  # the failed load anew was an RpcError, and a later call loaded
+        assert result["failed_loads"] >= 1, result
+    if 3 in refuse:  # ggml-rpc's connection failed (no abort), and the model came back all the same
+        assert "no connection or no handshake; what runs there fails" in proc.stderr, proc.stderr[-1500:]
 
 
 def _reloads(base):
