@@ -155,3 +155,31 @@ def test_nothing_to_measure_where_no_pool_pages(fixture_dir, profiles):
     assert not probe_path(load_index(path)).exists()
     bad = layout_cmd(path, "-n", 0)
     assert bad.returncode == 1 and "at least 1" in bad.stderr
+
+
+def test_probe_under_a_cap_runs_in_its_memory(fixture_dir, profiles):
+    """`layout --cap` measures where a container's limit will hold the model (64-2): every run
+    loads in a memory cgroup of that limit (its plan sees no more), the entry and a later load's
+    layout_why say the cap; a cap that is neither a share nor a size is an error."""
+    from empanel_gguf.lab.bench.host import MemCgroup
+
+    try:
+        MemCgroup(f"empanel-layout-check-{os.getpid()}").remove()
+    except OSError as e:
+        if os.environ.get("EMPANEL_REQUIRE_CGROUP") == "1":
+            pytest.fail(f"EMPANEL_REQUIRE_CGROUP=1 but no memory cgroup of our own: {e}", pytrace=False)
+        pytest.skip(f"no memory cgroup of our own (root, cgroup v1): {e}")
+    path = fixtures.write_fixture("qwen3moe-q4_0", fixture_dir)
+    cap = 900 << 20
+    got = layout_cmd(path, "--moe-slots", 4, "-p", 16, "-n", 8, "-r", 1, "--cap", "900MiB")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "under a 0.88 GiB cap" in got.stdout, got.stdout
+    entry = load_probe(load_index(path))
+    assert entry["cap_bytes"] == cap
+    for runs in entry["runs"].values():
+        assert all(0 < r["available"] <= cap for r in runs), runs  # each plan saw the cgroup's limit
+    stats = run(path, moe_slots=4)[2]
+    assert "under a 0.88 GiB cap" in stats["layout_why"], stats["layout_why"]
+    for bad in ("1.5", "lots"):
+        got = layout_cmd(path, "--moe-slots", 4, "--cap", bad)
+        assert got.returncode == 1 and "--cap" in got.stderr, got.stderr

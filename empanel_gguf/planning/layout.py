@@ -147,7 +147,8 @@ def resolve_layout(repack, plan, probe=None, masked=False):
     slots, measured = max(plan.n_slots), probe.get("moe_slots") if probe is not None else None
     if probe is not None and isinstance(measured, int) and SLOTS_NEAR[0] * measured <= slots <= SLOTS_NEAR[1] * measured:
         when = probe.get("date", "")[:10]
-        return Layout(probe["decision"] == "repacked", f"{probe['why']} ({when}, at {measured} slots)")
+        cap = f", under a {probe['cap_bytes'] / 2**30:.2f} GiB cap" if probe.get("cap_bytes") else ""
+        return Layout(probe["decision"] == "repacked", f"{probe['why']} ({when}, at {measured} slots{cap})")
     if probe is not None:
         return Layout(False, f"rule: pools that page are plain; the layout measured here was at {measured} slots per "
                              f"layer, far from this load's {slots} (`empanel-gguf layout MODEL -ms {slots}` measures it)")
