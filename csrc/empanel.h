@@ -435,6 +435,9 @@ EMPANEL_API int64_t empanel_load_preload(struct empanel_load * load, char * err,
 // the load's pools (stats, errors, trace) and how many of them run masked waves
 EMPANEL_API struct empanel_pool * empanel_load_pool(struct empanel_load * load);
 EMPANEL_API int32_t empanel_load_masked(struct empanel_load * load);
+// the model is about to be freed: the reads in flight (read-ahead included) land now, so that none
+// lands in a slot after the model's buffers are gone (Llama.close, before llama.cpp's frees)
+EMPANEL_API void    empanel_pool_settle(struct empanel_pool * pool);
 // the model is freed: append the counters to the plan's stats file (one JSON object per load,
 // if the plan names one), free the pools
 EMPANEL_API void    empanel_load_close(struct empanel_load * load);

@@ -292,6 +292,15 @@ void empanel_lab_free(struct empanel_pool * pool) {
     empanel_pool_free(pool); // a lab pool is a pool without files or reader threads
 }
 
+void empanel_pool_settle(struct empanel_pool * pool) {
+    if (pool == NULL || pool->reader.pool == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&pool->lock);
+    empanel_batch_finish(pool);
+    pthread_mutex_unlock(&pool->lock);
+}
+
 void empanel_pool_free(struct empanel_pool * pool) {
     if (pool == NULL) {
         return;

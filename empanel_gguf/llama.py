@@ -105,6 +105,7 @@ class Llama(llama_cpp.Llama):
                 _preload(experts, verbose)
         except BaseException:
             experts.clear_plan()
+            experts.settle()
             if hasattr(self, "_stack"):  # llama_cpp's part loaded: free it before the pools
                 super().close()
             experts.free()
@@ -277,6 +278,8 @@ class Llama(llama_cpp.Llama):
         if experts is not None and getattr(self, "verbose", False):
             print(summary_line(self.moe_stats()), file=sys.stderr)
         self._experts = None
+        if experts is not None:
+            experts.settle()  # no read ahead may land in a slot once the model's buffers are freed
         if hasattr(self, "_stack"):  # absent when __init__ failed before llama_cpp's part
             super().close()
         if experts is not None:

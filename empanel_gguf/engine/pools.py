@@ -150,6 +150,11 @@ class ExpertPools:
         """[n_slots] the expert each slot of the layer holds, -1 if empty."""
         return slot_table(self.n, self.pool, layer, self.n_slots[layer])
 
+    def settle(self):
+        """The reads in flight land now: before llama.cpp frees the model's buffers (Llama.close)."""
+        if self.pool is not None:
+            self.n.sidecar.empanel_pool_settle(self.pool)
+
     def free(self):
         if self.load is not None:
             self.n.sidecar.empanel_load_close(self.load)
