@@ -249,7 +249,9 @@ def test_a_move_down_does_not_wait_for_the_preload(tmp_path):
 
         thread = threading.Thread(target=preload)
         thread.start()
-        time.sleep(0.03)
+        t0 = time.monotonic()  # the preload has read its first chunk (a fixed sleep raced it under TSan)
+        while llm.moe_stats()["budget"]["resident_bytes"] == 0 and time.monotonic() - t0 < 10:
+            time.sleep(0.001)
         llm.moe_set_budget(floor)
         set_at = time.monotonic()
         thread.join()
