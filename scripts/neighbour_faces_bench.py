@@ -203,14 +203,15 @@ def main():
     for face in args.faces.split(","):
         for slots in args.configs.split(","):
             ref = None
-            if face == "run":  # its text without the neighbour
+            if face == "run" and slots != "none":  # its text without the neighbour (stock's is stock's)
                 cg = Cgroup(limit)
                 ref = run_face(args, cg, slots, 0)["text"]
                 cg.close()
             for rep in range(args.repetitions):
                 cg = Cgroup(limit)
                 r = run_face(args, cg, slots, size) if face == "run" else server_face(args, cg, face, slots, size)
-                r.update(face=face, slots=slots, rep=rep, kills=cg.oom_kills(), same=r["text"] == (ref or r.get("alone")))
+                alone = ref if face == "run" else r.get("alone")
+                r.update(face=face, slots=slots, rep=rep, kills=cg.oom_kills(), same=alone is None or r["text"] == alone)
                 cg.close()
                 print(json.dumps({k: v for k, v in r.items() if k not in ("text", "alone")}), flush=True)
                 rows.append(r)
@@ -218,7 +219,7 @@ def main():
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\n{args.model}, cap {args.cap:.0%} of the file ({limit / 2**30:.2f} GiB), a {args.neighbour} neighbour "
           f"{args.at:g} s into decoding, medians of {args.repetitions}\n")
-    print("| face | slots | decode tok/s | vs stock | all alive | OOM kills | same text |")
+    print("| face | slots | decode tok/s | vs stock | all alive | OOM kills | same text (pools) |")
     print("|---|---|---|---|---|---|---|")
     for face in args.faces.split(","):
         stock = None
