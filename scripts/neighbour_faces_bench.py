@@ -59,7 +59,9 @@ class Cgroup(MemCgroup):
 
 
 def stock_env(slots):
-    """Stock (none) is refused by the memory guard where the model does not fit: forced."""
+    """Stock (none, from the mapping: --no-repack, else its CPU repack buffers copy every weight
+    into anonymous memory, OOM-killed under a cap) is refused by the memory guard where the model
+    does not fit: forced."""
     return dict(os.environ, LLAMA_ARG_FORCE="1") if slots == "none" else None
 
 
@@ -124,7 +126,7 @@ def run_face(args, cg, slots, size):
     """empanel-gguf run in the cgroup, the neighbour --at s after its first decoded text (none if
     size is 0: the text to compare)."""
     cmd = [sys.executable, "-m", "empanel_gguf", "run", args.model, "--moe-slots", slots, "-p", PROMPT, "-n",
-           str(args.n), "--temp", "0", "-t", str(args.threads)]
+           str(args.n), "--temp", "0", "-t", str(args.threads), *(["--moe-repack", "off"] if slots == "none" else [])]
     proc = start(cg, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=stock_env(slots))
     err = []
     reader = threading.Thread(target=lambda: err.append(proc.stderr.read()))
@@ -153,11 +155,11 @@ def server_face(args, cg, face, slots, size):
     the neighbour --at s into it."""
     if face == "llama-server":
         cmd = [sys.executable, "-m", "empanel_gguf", "llama-server", "-m", args.model, "--moe-slots", slots,
-               "--port", str(PORT), "-c", "1024", "-t", str(args.threads)]
+               "--port", str(PORT), "-c", "1024", "-t", str(args.threads), *(["--no-repack"] if slots == "none" else [])]
         path, ask = "/health", ask_llama_server
     else:
         cmd = [sys.executable, "-m", "empanel_gguf", "serve", args.model, "--moe_slots", slots, "--port", str(PORT),
-               "--n_ctx", "1024", "--n_threads", str(args.threads)]
+               "--n_ctx", "1024", "--n_threads", str(args.threads), *(["--moe_repack", "off"] if slots == "none" else [])]
         path, ask = "/v1/models", ask_serve
     proc = start(cg, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=stock_env(slots))
     box = None
