@@ -99,6 +99,13 @@ static int remote_landed(const struct empanel_read_job * job) {
 
 int empanel_remote_write_jobs(struct empanel_pool * pool, struct empanel_layer * layer,
                               const struct empanel_read_job * jobs, int32_t n_jobs) {
+    int32_t n_remote = 0;
+    for (int32_t j = 0; j < n_jobs; j++) {
+        n_remote += remote_landed(&jobs[j]);
+    }
+    if (n_remote == 0) {
+        return 0; // (host pools: nothing allocated on their path)
+    }
     uint8_t * written = calloc((size_t) (n_jobs > 0 ? n_jobs : 1), 1); // [n_jobs]
     if (written == NULL) {
         empanel_util_set_error(pool, "writing a batch to its RPC host: out of memory");

@@ -557,17 +557,20 @@ def _cutting_link(listener, host, arm, stop, cut, refuse=()):
     and 5: the tries of the first)."""
     import threading
 
+    def shut(*socks):
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def pump(src, dst):
         try:
             while data := src.recv(1 << 16):
                 dst.sendall(data)
         except OSError:
             pass
-        for sock in (src, dst):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut(src, dst)
 
     def client_to_host(conn, upstream):
         seen = 0
@@ -583,11 +586,7 @@ def _cutting_link(listener, host, arm, stop, cut, refuse=()):
                 upstream.sendall(head + payload)
         except OSError:
             pass
-        for sock in (conn, upstream):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut(conn, upstream)
 
     listener.settimeout(0.2)
     after_cut = 0
