@@ -378,7 +378,13 @@ int empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane) {
     }
     const int      ready = posted->by_tensor; // (empanel_reader_finish clears it)
     const uint64_t t0    = empanel_util_now_ns();
+    // the wait lets go of the pool's lock, so that a move down (pressure.c) or /metrics never waits
+    // for reads: the batch stays in flight meanwhile, and a layer with reads in flight keeps its
+    // slots (slots.c, evictable). Only this thread posts and finishes lanes: one graph computes
+    // at a time on a model's pools (the registry's graph lock), and the preload runs at load
+    pthread_mutex_unlock(&pool->lock);
     empanel_reader_finish(pool, lane);
+    pthread_mutex_lock(&pool->lock);
     const uint64_t t1 = empanel_util_now_ns();
     batch->inflight = 0;
 

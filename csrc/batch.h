@@ -40,7 +40,8 @@ void     empanel_batch_drop(struct empanel_pool * pool, struct empanel_layer * l
 // layer's are not evictable while its batch is in flight, slots.c)
 int      empanel_batch_wait_tensor(struct empanel_pool * pool, struct empanel_layer * layer, int32_t tensor);
 // wait for the batch in flight in a lane (reading alongside the threads) and account for it; 0 if
-// there is none or it succeeded, -1 if a read failed (its slots then hold nothing)
+// there is none or it succeeded, -1 if a read failed (its slots then hold nothing). Called with
+// the pool's lock held, it lets go of it while it waits, as empanel_batch_wait_tensor does
 int      empanel_batch_finish_lane(struct empanel_pool * pool, int32_t lane);
 // the same for both lanes: nothing is in flight afterwards; 0, or -1 if a read of either failed
 int      empanel_batch_finish (struct empanel_pool * pool);

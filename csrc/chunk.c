@@ -109,8 +109,12 @@ static int repack_job(struct empanel_pool * pool, struct empanel_read_job * job)
     return 0;
 }
 
-// the test failpoint (EMPANEL_FAULT_READ_AFTER / _COUNT): -1 if this read request is to fail
+// the test failpoints (EMPANEL_FAULT_READ_AFTER / _COUNT): -1 if this read request is to fail;
+// EMPANEL_FAULT_READ_DELAY_MS: it starts that late
 static int read_fault(struct empanel_pool * pool, const struct empanel_chunk * c) {
+    if (pool->fault.delay_us > 0) {
+        usleep((useconds_t) pool->fault.delay_us);
+    }
     const int64_t request = pool->fault.after > 0 ? atomic_fetch_add(&pool->fault.n_requests, 1) + 1 : 0;
     if (pool->fault.after > 0 && request >= pool->fault.after &&
         (pool->fault.count <= 0 || request < pool->fault.after + pool->fault.count)) {

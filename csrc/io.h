@@ -127,6 +127,8 @@ struct empanel_fault {
     int64_t      count;
     int          short_reads; // EMPANEL_FAULT_SHORT_READS=1: every request first asks for half its
                               // bytes (a block multiple), as a short read returns them; the rest follows
+    int64_t      delay_us;    // EMPANEL_FAULT_READ_DELAY_MS=N: every read request starts N ms late (a
+                              // slow drive: tests of what must not wait for reads)
     atomic_llong n_requests;
 };
 

@@ -132,6 +132,8 @@ static struct empanel_pool * pool_new(int32_t policy, int32_t n_layer, const int
     pool->fault.count = fault_count != NULL ? atoll(fault_count) : 0;
     const char * fault_short = getenv("EMPANEL_FAULT_SHORT_READS");
     pool->fault.short_reads = fault_short != NULL && atoi(fault_short) != 0;
+    const char * fault_delay = getenv("EMPANEL_FAULT_READ_DELAY_MS");
+    pool->fault.delay_us = fault_delay != NULL && atoll(fault_delay) > 0 ? atoll(fault_delay) * 1000 : 0;
     pool->n_layer      = n_layer;
     pool->n_expert     = n_expert;
     pool->config.policy       = policy;
@@ -307,7 +309,9 @@ void empanel_pool_free(struct empanel_pool * pool) {
     }
     empanel_pressure_stop(pool); // no budget moves from here on
     if (pool->reader.pool != NULL) {
+        pthread_mutex_lock(&pool->lock);
         empanel_batch_finish(pool); // no reads may land after this
+        pthread_mutex_unlock(&pool->lock);
     }
     empanel_reader_stop(pool);
     if (pool->layers != NULL) {

@@ -266,6 +266,45 @@ def test_a_move_down_does_not_wait_for_the_preload(tmp_path):
     assert np.array_equal(logits, stock_logits(path, exact_to, [(None, 4)], n_ctx=64))
 
 
+def test_a_move_down_does_not_wait_for_reads_in_flight(tmp_path, monkeypatch, read_io):
+    """A budget set while a read is in flight returns without waiting for it (63-3/4): every read
+    request starts 250 ms late (EMPANEL_FAULT_READ_DELAY_MS, a slow drive), the preload reads its
+    first layer, and a move down 100 ms into it returns within 150 ms, long before the preload
+    ends (before: it waited for the layer's reads, ~250 ms and more, holding the pool's lock).
+    Decoding after it is bit-identical to stock."""
+    from empanel_gguf.models.fixtures import FixtureSpec, write_model
+
+    spec = FixtureSpec("read-lock", "qwen3moe", n_layer=2, n_expert=8, n_expert_used=2, weight_type="Q8_0", seed=24)
+    path = write_model(spec, tmp_path / "slow-reads.gguf")
+    monkeypatch.setenv("EMPANEL_FAULT_READ_DELAY_MS", "250")
+    llm = Llama(str(path), n_ctx=64, logits_all=True, verbose=False, moe_slots=4, moe_preload=False)
+    try:
+        floor = llm.moe_stats()["budget"]["floor_bytes"]
+        done = {}
+
+        def preload():
+            experts = llm._experts
+            done["n"] = experts.n.sidecar.empanel_preload(experts.pool)
+            done["at"] = time.monotonic()
+
+        thread = threading.Thread(target=preload)
+        t0 = time.monotonic()
+        thread.start()
+        time.sleep(0.1)  # (the preload's first read waits 250 ms; were it not started yet, the set is fast anyway)
+        before = time.monotonic()
+        llm.moe_set_budget(floor)
+        took = time.monotonic() - before
+        thread.join()
+        assert took < 0.15 and before + took < done["at"], (took, before - t0, done["at"] - t0)
+        assert done["n"] > 0 and done["at"] - t0 >= 0.25, done
+        monkeypatch.delenv("EMPANEL_FAULT_READ_DELAY_MS")  # (read once, at load: the decode's reads wait too)
+        logits, _ = decode(llm, [(None, 2)])
+        exact_to = llm.moe_stats()["exact_to"]
+    finally:
+        llm.close()
+    assert np.array_equal(logits, stock_logits(path, exact_to, [(None, 2)], n_ctx=64))
+
+
 def test_a_move_down_left_owing_spares_the_next_hits(tmp_path):
     """A move down that must leave the busy layer's slots (the layer computing now) is paid at the
     layer's next remap, after that micro-batch's hits are marked (63-7): no expert routed there

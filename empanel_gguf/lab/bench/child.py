@@ -211,9 +211,14 @@ def child_main(spec_path: str) -> int:
     kwargs = _llama_kwargs(spec)
     _neighbour_before_load(spec)
     phase("load")
+    arrival = _neighbour_timer(spec, "load_s")
     t0 = time.perf_counter()
     llm = _load(Llama, spec, kwargs)
     load_s = time.perf_counter() - t0
+    if arrival is not None:
+        arrival.cancel()  # (a load done sooner: it comes in the prompt's first moments instead)
+        if spec.get("_neighbour") is None:
+            spec["_neighbour"] = Neighbour(spec["neighbour"]["bytes"], t0)
     after_load = proc_status()
     prompt, trace = token_trace(llm, spec["n_prompt"], spec["n_gen"])
     warmup = _warm_up(llm, spec, phase) if spec.get("warmup") else None
@@ -221,7 +226,7 @@ def child_main(spec_path: str) -> int:
     disk = spec.get("disk_stat")
     counts0 = _counts(llm, disk)
     phase("pp")
-    arrival = _neighbour_in_prompt(spec)
+    arrival = _neighbour_timer(spec, "prompt_s")
     pp = _eval_prompt(llm, prompt)
     if arrival is not None:
         arrival.cancel()  # (a prompt done sooner: it comes with the first decoded token instead)
@@ -328,18 +333,19 @@ def _neighbour_before_load(spec):
     spec["_neighbour"] = neighbour
 
 
-def _neighbour_in_prompt(spec):
-    """bench --neighbour-in-prompt S: a timer that starts the neighbour S seconds into the measured
-    prompt (kept in spec["_neighbour"] for the decode that follows); None without one."""
+def _neighbour_timer(spec, key):
+    """bench --neighbour-in-prompt S / --neighbour-in-load S (key prompt_s / load_s): a timer that
+    starts the neighbour S seconds into the measured prompt or into the load (a preload runs in
+    it), kept in spec["_neighbour"] for the decode that follows; None without one."""
     plan = spec.get("neighbour")
-    if not plan or plan.get("prompt_s") is None:
+    if not plan or plan.get(key) is None:
         return None
     t0 = time.perf_counter()
 
     def arrive():
         spec["_neighbour"] = Neighbour(plan["bytes"], t0)
 
-    timer = threading.Timer(plan["prompt_s"], arrive)
+    timer = threading.Timer(plan[key], arrive)
     timer.start()
     return timer
 
@@ -396,7 +402,8 @@ def _decode(llm, trace, spec) -> dict:
     if neighbour is not None:
         early = spec.get("_neighbour") is not None  # (in the prompt, or before the load)
         out["neighbour"] = {**neighbour.outcome(), "at": 0 if early else plan["at"], "leave_at": plan.get("leave_at"),
-                            "in_prompt": early and plan["at"] != "load", "at_load": plan["at"] == "load"}
+                            "in_prompt": early and plan["at"] != "load" and plan.get("load_s") is None,
+                            "in_load": plan.get("load_s") is not None, "at_load": plan["at"] == "load"}
     if lowering is not None:
         out["lower"] = {**lowering.outcome(), "at": lower["at"]}
     if neighbour is not None or lowering is not None:

@@ -200,6 +200,9 @@ def setup_arg_parser():
                         "they grow once it is gone)")
     g.add_argument("--neighbour-in-prompt", type=float, default=None, metavar="S",
                    help="it comes S seconds into the measured prompt instead (and holds through the decode)")
+    g.add_argument("--neighbour-in-load", type=float, default=None, metavar="S",
+                   help="it comes S seconds into the model's load instead (a preload runs there: "
+                        "--moe-opt moe_preload=true), and holds through the prompt and decode")
     g.add_argument("--neighbour-leave", type=int, default=None, metavar="N",
                    help="the decoded token before which it frees its memory and leaves (default: it stays)")
     g.add_argument("--lower-limit", type=float, default=None, metavar="SHARE",
@@ -254,6 +257,8 @@ def main(argv=None, reports=()) -> int:
     if args.rpc:
         args.llama_opt.append(("rpc_servers", args.rpc))
 
+    if args.neighbour_in_load is not None and (args.neighbour_in_prompt is not None or args.neighbour_at is not None):
+        raise SystemExit("bench: --neighbour-in-load is a time of its own: leave out --neighbour-in-prompt and --neighbour-at")
     if bool(args.model) == bool(args.write_model):
         raise SystemExit("bench: give a model (-m MODEL.gguf) or --write-model PATH")
     if args.write_model:

@@ -169,7 +169,7 @@ def neighbour_table(bench: Bench, rows) -> str:
     cgroup, and how fast decoding went before, with it and after it left (medians)."""
     a = bench.args
     headers = ["config", "cap", "status", "neighbour", "tg before t/s", "tg with t/s", "with / before",
-               "tg after t/s", "budget lowest", "budget end / capacity", "given back", "shrink ms", "argmax = stock"]
+               "tg after t/s", "budget lowest", "budget end / capacity", "given back", "shrink ms", "lock wait ms", "argmax = stock"]
     out = []
     for row in rows:
         ok = row["status"].startswith("ok")
@@ -183,8 +183,9 @@ def neighbour_table(bench: Bench, rows) -> str:
                     f"{fmt_bytes(row.get('budget_end'))} / {fmt_bytes(row.get('budget_capacity'))}"
                     if row.get("budget_end") is not None else "-",
                     fmt_bytes(row.get("budget_given_back")), fmt(row.get("budget_shrink_ms"), ".1f"),
-                    row.get("argmax_agree", "-")])
+                    fmt(row.get("budget_lock_wait_ms"), ".1f"), row.get("argmax_agree", "-")])
     when = (f"{a.neighbour_in_prompt:g} s into the prompt" if a.neighbour_in_prompt is not None else
+            f"{a.neighbour_in_load:g} s into the load" if a.neighbour_in_load is not None else
             "before the load" if a.neighbour_at == "load" else
             f"before decoded token {a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4}")
     title = (f"neighbour: {format_bytes(a.neighbour)} taken {when}"

@@ -110,7 +110,7 @@ def _child_spec(bench: Bench, cfg: Config, result_path: Path) -> dict:
         "batch": pools_batch(bench) if cfg.pools_batch else None,
         "cgroup_procs": None,
         "neighbour": ({"bytes": a.neighbour, "at": a.neighbour_at if a.neighbour_at is not None else a.n_gen // 4,
-                       "leave_at": a.neighbour_leave, "prompt_s": a.neighbour_in_prompt} if a.neighbour else None),
+                       "leave_at": a.neighbour_leave, "prompt_s": a.neighbour_in_prompt, "load_s": a.neighbour_in_load} if a.neighbour else None),
         "disk_stat": str(bench.queue_dir.parent / "stat") if bench.queue_dir else None,
         "lower": ({"bytes": int(a.lower_limit * bench.model_bytes),
                    "at": a.lower_at if a.lower_at is not None else a.n_gen // 4} if a.lower_limit else None),
@@ -301,6 +301,7 @@ def sample_metrics(s: dict) -> dict:
         m["budget_lowest"] = budget.get("lowest_bytes")
         m["budget_given_back"] = budget.get("given_back_bytes")
         m["budget_shrink_ms"] = budget.get("max_shrink_ms")
+        m["budget_lock_wait_ms"] = budget.get("max_lock_wait_ms")
         m["budget_end"], m["budget_capacity"] = budget.get("budget_bytes"), budget.get("capacity_bytes")
     lw = s["tg"].get("lower")
     if lw:  # decode before the limit was written down, while it was refused, after it was taken
