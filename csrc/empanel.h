@@ -63,6 +63,8 @@ struct empanel_pool_params {
     int32_t  read_io;      // enum empanel_read_io: how reads are issued (EMPANEL_READ_IO in the
                            // environment overrides it: "threads" or "uring")
     int32_t  queue_depth;  // io_uring: read requests in flight at most (default EMPANEL_DEFAULT_QUEUE_DEPTH)
+    int32_t  prompt_ahead; // 1: while a prompt's waves compute a layer, the next paged layer's empty slots
+                           // are read (remap.c, read_ahead_next_layer); 0: not
 };
 
 // how a pool issues its reads (struct empanel_pool_params.read_io)

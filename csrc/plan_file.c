@@ -260,6 +260,12 @@ static enum record_result parse_io(struct plan_reader * r, struct empanel_plan *
            field_i32(r, &plan->params.queue_depth, 0, EMPANEL_MAX_QUEUE_DEPTH) != 0 ? RECORD_BAD : RECORD_FIXED;
 }
 
+// prompt-ahead 0|1 (optional: 0 where absent)
+static enum record_result parse_prompt_ahead(struct plan_reader * r, struct empanel_plan * plan, char * err,
+                                             size_t err_size) {
+    return field_i32(r, &plan->params.prompt_ahead, 0, 1) != 0 ? RECORD_BAD : RECORD_FIXED;
+}
+
 static enum record_result parse_host_cache(struct plan_reader * r, struct empanel_plan * plan, char * err,
                                            size_t err_size) {
     return field_u64(r, &plan->host_cache_bytes, 10) != 0 ? RECORD_BAD : RECORD_FIXED;
@@ -450,6 +456,7 @@ static const struct {
     { "pin",        parse_pin,        0,            0 },
     { "host-cache", parse_host_cache, 0,            0 },
     { "io",         parse_io,         0,            0 },
+    { "prompt-ahead", parse_prompt_ahead, 0,        0 },
     { "elastic",    parse_elastic,    0,            0 },
     { "memory",     parse_memory,     0,            0 },
     { "slots",      parse_slots,      PLAN_SLOTS,   1 },

@@ -254,6 +254,7 @@ struct empanel_pool * empanel_pool_init(
     }
     const int direct_io = params == NULL || params->direct_io >= 0;
     pool->config.prefetch    = params != NULL && params->prefetch > 0 ? params->prefetch : 0;
+    pool->config.prompt_ahead = params != NULL && params->prompt_ahead > 0;
     pool->config.subst_ratio = params != NULL && params->subst_ratio > 0 ? params->subst_ratio : 0;
     pool->config.verify      = params != NULL && params->verify;
     const int32_t  n_threads   = params != NULL && params->n_threads  >= 0 ? params->n_threads   : EMPANEL_DEFAULT_READ_THREADS;

@@ -436,10 +436,10 @@ static int read_ahead_wave(struct empanel_pool * pool, struct empanel_layer * la
 // layer il starts a micro-batch of n_pairs (token, expert) pairs in waves: where that many pairs
 // route to nearly every expert (4 per expert or more), the next paged layer's empty slots are read
 // into ahead, in the read-ahead lane behind this layer's own reads, experts in file order, within
-// the budget (params.prefetch > 0). A cold pool's first waves are then resident when its
+// the budget (params.prompt_ahead). A cold pool's first waves are then resident when its
 // micro-batch comes, instead of read while the graph waits; a pool with no empty slot reads none
 static void read_ahead_next_layer(struct empanel_pool * pool, int32_t il, int64_t n_pairs) {
-    if (pool->config.prefetch <= 0 || pool->config.lab || n_pairs < 4 * (int64_t) pool->n_expert) {
+    if (!pool->config.prompt_ahead || pool->config.lab || n_pairs < 4 * (int64_t) pool->n_expert) {
         return;
     }
     // the next paged layer, unless it is the last: llama.cpp's last layer computes only the tokens

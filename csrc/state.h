@@ -103,6 +103,7 @@ struct empanel_config {
     int       verify;       // every expert read is hashed and checked against its digest
     int       lab;          // the policy lab (empanel_lab_init): no files, nothing is read
     int32_t   prefetch;     // paged layers ahead whose guessed misses are read
+    int       prompt_ahead; // a prompt's waves read the next layer's empty slots ahead
     float     subst_ratio;  // routing substitution: a stand-in's share of the missing expert's score; 0: off
 };
 

@@ -121,11 +121,12 @@ def test_llama_cpp_programs_get_the_flags(model):
     assert batch_flags(plan("llama-bench", "-m", str(model), "-p", "2048")) == []
 
 
-def test_a_cold_prompt_reads_the_next_layer_ahead(tmp_path_factory):
+def test_a_cold_prompt_reads_the_next_layer_ahead(tmp_path_factory, monkeypatch):
     """A prompt in waves routes to every expert of every layer: while a layer's waves compute, the
     next layer's empty slots are read ahead (behind the layer's own reads), and its first waves
     find them resident instead of reading them while the graph waits. Never into the last layer
-    (llama.cpp computes only the kept outputs there), none with moe_prefetch=0; logits unchanged."""
+    (llama.cpp computes only the kept outputs there), none with EMPANEL_PROMPT_AHEAD=0; logits
+    unchanged. (It is on by default, while a decode reads nothing ahead: moe_prefetch="auto".)"""
     path = fixtures.write_fixture("qwen3moe-f16", tmp_path_factory.mktemp("ahead"))
 
     def run(**moe):
@@ -137,7 +138,9 @@ def test_a_cold_prompt_reads_the_next_layer_ahead(tmp_path_factory):
             llm.close()
 
     ahead, stats = run()
-    plain, off = run(moe_prefetch=0)
+    monkeypatch.setenv("EMPANEL_PROMPT_AHEAD", "0")
+    plain, off = run()
+    monkeypatch.delenv("EMPANEL_PROMPT_AHEAD")
     rows = [stats["layers"][il] for il in sorted(stats["layers"])]
     assert len(rows) >= 3
     assert rows[0]["prefetched"] == 0 and rows[-1]["prefetched"] == 0

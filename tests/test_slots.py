@@ -198,35 +198,42 @@ def test_repack_auto_is_a_rule(fixture_dir, monkeypatch):
         resolve_repack("plain", paged)
 
 
-def test_prefetch_auto_is_a_rule(fixture_dir, monkeypatch):
-    """moe_prefetch="auto" (the default) resolves at plan time, by rule: one layer read ahead where
-    host pools page under a per-layer policy with the guess on, in either layout; none where waves
-    may be masked (a device), the pools hold every expert, share g-lru's budget, or nothing guesses; a number forces it;
-    anything else is refused. The load and llama.cpp's plan carry the number."""
-    from empanel_gguf.planning.plan import moe_options, plan_load, resolve_prefetch
+def test_prefetch_auto_reads_ahead_in_prompts_only(fixture_dir, monkeypatch):
+    """moe_prefetch="auto" (the default) resolves at plan time to 0: a decode reads nothing ahead
+    (measured slower on the real shapes, docs/performance.md); a number N reads N layers ahead,
+    in either layout; anything else is refused. A prompt's waves read the next layer's empty
+    slots by rule: where host pools page under a per-layer policy with the guess on, not where
+    waves may be masked (a device), the pools hold every expert, g-lru shares the budget or
+    nothing guesses; always with N > 0. The load and llama.cpp's plan carry both."""
+    from types import SimpleNamespace
+
+    from empanel_gguf.planning.plan import moe_options, plan_load, prompt_ahead, resolve_prefetch
 
     path = fixtures.write_fixture("qwen3moe-q4_k", fixture_dir)
     index = load_index(path)
     paged, full = plan_slots(index, 4), plan_slots(index, index.n_expert)
     monkeypatch.delenv("EMPANEL_WAVE_MASK", raising=False)
-    assert resolve_prefetch("auto", paged, "lfu-decay") == 1
-    assert resolve_prefetch("auto", paged, "lru") == 1
-    assert resolve_prefetch("auto", paged, "g-lru") == 0         # no read-ahead beside other reads
-    assert resolve_prefetch("auto", paged, "lfu-decay", guess=False) == 0
-    assert resolve_prefetch("auto", full, "lfu-decay") == 0      # nothing to read
-    assert resolve_prefetch("auto", None, "lfu-decay") == 0      # stock
-    assert resolve_prefetch(0, paged, "lfu-decay") == 0 and resolve_prefetch(2, full, "lru") == 2
-    monkeypatch.setenv("EMPANEL_WAVE_MASK", "1")  # as with a GPU or RPC device: never measured there
-    assert resolve_prefetch("auto", paged, "lfu-decay") == 0
-    monkeypatch.delenv("EMPANEL_WAVE_MASK")
+    assert resolve_prefetch("auto") == 0 and resolve_prefetch(0) == 0 and resolve_prefetch(2) == 2
     for bad in ("on", -1, True, 1.5):
         with pytest.raises(ValueError, match="moe_prefetch"):
-            resolve_prefetch(bad, paged, "lru")
-    for repack in (False, True):  # repacked pools read ahead too (the readers' repack is fast)
+            resolve_prefetch(bad)
+
+    def ahead(plan, policy="lfu-decay", guess=True, prefetch=0):
+        return prompt_ahead(plan, SimpleNamespace(prefetch=prefetch, guess=guess, policy=policy))
+
+    assert ahead(paged) and ahead(paged, "lru")
+    assert not ahead(paged, "g-lru") and not ahead(paged, guess=False)
+    assert not ahead(full) and not ahead(None)
+    assert ahead(full, prefetch=1) and ahead(paged, "g-lru", prefetch=2)
+    monkeypatch.setenv("EMPANEL_WAVE_MASK", "1")  # as with a GPU or RPC device: never measured there
+    assert not ahead(paged)
+    monkeypatch.delenv("EMPANEL_WAVE_MASK")
+    for repack in (False, True):
         load = plan_load(index, 4, {}, options=moe_options(moe_repack=repack), guard=False)
-        assert load.options.prefetch == 1 and load.pools.params["prefetch"] == 1 and load.pools.guess_depth == 1
-    load = plan_load(index, 4, {}, options=moe_options(moe_prefetch=0), guard=False)
-    assert load.options.prefetch == 0 and load.pools.params["prefetch"] == 0
+        assert load.options.prefetch == 0 and load.pools.params["prefetch"] == 0 and load.pools.guess_depth == 1
+        assert load.pools.params["prompt_ahead"] == 1
+        load = plan_load(index, 4, {}, options=moe_options(moe_repack=repack, moe_prefetch=1), guard=False)
+        assert load.options.prefetch == 1 and load.pools.params["prefetch"] == 1 and load.pools.params["prompt_ahead"] == 1
 
 
 @pytest.mark.parametrize("moe_batch,n_calls", [("stock", 2), ("auto", 1)])
@@ -424,9 +431,13 @@ GUESS_CASES = [(name, prefetch) for name in fixtures.FIXTURES for prefetch in (0
 
 
 @pytest.mark.parametrize("name,prefetch", GUESS_CASES, ids=[f"{n}-prefetch{p}" for n, p in GUESS_CASES])
-def test_guess_and_prefetch_bit_identical(fixture_dir, name, prefetch):
+def test_guess_and_prefetch_bit_identical(fixture_dir, name, prefetch, monkeypatch):
     """The gate-ahead guess orders eviction (prefetch 0) or also reads ahead (1, 2 layers): what is
-    computed never changes. Decode micro-batches fit the pools, so every decoded token is guessed."""
+    computed never changes. Decode micro-batches fit the pools, so every decoded token is guessed.
+    (With prefetch 0 the prompt's own read-ahead of the next layer is off too: nothing is read
+    ahead at all.)"""
+    if prefetch == 0:
+        monkeypatch.setenv("EMPANEL_PROMPT_AHEAD", "0")
     path = fixtures.write_fixture(name, fixture_dir)
     index = load_index(path)
     for n_prompt in (9, 100):

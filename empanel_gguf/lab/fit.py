@@ -32,8 +32,8 @@ predict() turns it into one row per budget:
 Pools that hold every expert read nothing: compute-bound, at the measured compute.
 The model is of a layer's own reads (misses of the policy, hidden behind its compute): the
 measuring run reads nothing ahead (moe_prefetch=0), and the rows are what a load without
-read-ahead gets. moe_prefetch's default reads the next layer's guesses ahead where pools page
-plain; that measured 3-28 % faster decode on the synthetic models (docs/performance.md), on top.
+read-ahead gets, as the default decodes (moe_prefetch="auto" reads nothing ahead in decode; a
+prompt's waves read the next layer's empty slots, which the prompt figures here leave out).
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def format_table(m: Measurement, rows, name):
     lines.append("")
     lines.append("predicted: decode = 1000 / (compute + read x (1 - hidden)) ms; hit and read/token from the "
                  "run's routing replayed at each slot count; peak is the load's estimate; without read-ahead "
-                 "(the default moe_prefetch reads the next layer's guesses ahead where pools page plain: faster)")
+                 "(as the default decodes; a prompt's waves also read the next layer's empty slots ahead)")
     return "\n".join(lines)
 
 

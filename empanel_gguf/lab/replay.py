@@ -212,8 +212,8 @@ def engine_check(trace, results, ubatch=None):
     rec = meta.get("recorded_with") or {}
     stats = meta.get("engine_stats")
     if (not stats or not meta.get("engine_stats_from_load")
-            or rec.get("moe_policy") not in ENGINE_POLICIES or rec.get("moe_prefetch")):
-        return None  # read-ahead makes hits of misses: a replay of the policy alone differs
+            or rec.get("moe_policy") not in ENGINE_POLICIES or rec.get("moe_prefetch") or stats.get("prefetched")):
+        return None  # read-ahead (a decode's, a prompt's) makes hits of misses: a replay of the policy alone differs
     if ubatch and len(trace.ubatch) and int(trace.ubatch.max()) > ubatch:
         return None  # replayed in smaller micro-batches than the engine ran
     for r in results:

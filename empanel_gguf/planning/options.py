@@ -300,12 +300,14 @@ OPTIONS = (
            doc="N > 0 also reads the guessed experts that are not resident while the layer N or fewer "
                "layers before computes (in a lane of their own behind the layer's own reads, the likeliest "
                "guesses first); when the guessed layer's remap comes, the reads of guesses it does not route "
-               'to are dropped unread. "auto": 1 where host pools page under a per-layer policy (measured '
-               "faster there, in either layout: docs/performance.md), else 0 (with a GPU or RPC device too). "
-               "0: no read-ahead.",
+               'to are dropped unread. "auto" and 0: none (measured slower on the real shapes under a cap: '
+               "its reads cost the cores that compute more than the waits they hid where routing is spread, "
+               "and tied where it is skewed: docs/performance.md); N where `bench` measures it faster on "
+               "your machine. A prompt's waves read the next layer's empty slots either way, where host "
+               "pools page under a per-layer policy (EMPANEL_PROMPT_AHEAD=0 turns that off).",
            help="also read the guessed experts that are not resident, N layers ahead, behind the layer's own "
                 "reads; reads of guesses the layer does not route to are dropped when it comes. auto (default): "
-                "1 where host pools page under a per-layer policy, else 0 (off)"),
+                "0, none (measured slower on the real shapes here: docs/performance.md)"),
     Option("subst", None, parse=float, metavar="R", check=_subst, server=Optional[float],
            doc="routing substitution, opt-in and INEXACT: a ratio r in (0, 1]. When a routed expert is not "
                "resident, the best resident expert among the router's next top-k choices stands in if its "

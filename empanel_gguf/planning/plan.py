@@ -57,21 +57,30 @@ def resolve_guess(guess) -> bool:
     return not rpc_servers_registered() if guess is None else bool(guess)
 
 
-def resolve_prefetch(prefetch, plan, policy: str, guess: bool = True) -> int:
-    """moe_prefetch -> layers whose guessed experts are read ahead. "auto" is a rule, not a probe:
-    1 where host pools page under a per-layer policy, where a read-ahead goes in its own lane
-    behind the reads of the layer computing now (csrc/batch.c, empanel_batch_beside), else 0:
-    measured faster on every model there, repacked pools included (docs/performance.md, "Fast
-    drives and reads" and "Layouts"; the readers repack K-quants themselves, csrc/repack.c). Where
-    waves may be masked (a GPU or RPC device: pools there were never measured with read-ahead,
-    and each expert read ahead costs an RPC host a write), g-lru (no read-ahead beside another
-    layer's reads), pools that hold every expert (nothing to read) and loads without the
-    gate-ahead guess (nothing to read ahead from) keep none."""
+def resolve_prefetch(prefetch) -> int:
+    """moe_prefetch -> layers ahead whose guessed experts a decode reads. "auto" is 0: on the real
+    shapes under a cap (docs/performance.md, "Read-ahead on the real shapes", 2026-12-07) that
+    read-ahead cost the two cores that compute more than the waits it hid where routing is spread
+    (the Qwen3-30B-A3B shape: 5.65 against 5.14 t/s without it) and tied where it is skewed; a
+    number N reads N layers ahead where `bench` measures it faster (faster drives, spare cores)."""
     prefetch = OPTION["prefetch"].checked(prefetch)
-    if prefetch == "auto":
-        pages = plan is not None and not plan.holds_all
-        return 1 if pages and guess and policy != "g-lru" and not waves_may_be_masked() else 0
-    return prefetch
+    return 0 if prefetch == "auto" else prefetch
+
+
+def prompt_ahead(plan, options) -> bool:
+    """Whether a prompt's waves read the next paged layer's empty slots while they compute a
+    layer (csrc/remap.c, read_ahead_next_layer; EMPANEL_PROMPT_AHEAD=0 turns it off): with a
+    decode's read-ahead (moe_prefetch N > 0), and else where host pools page under a per-layer
+    policy with the gate-ahead guess on (moe_prefetch="auto"'s rule before it turned the decode's
+    read-ahead off). Not where waves may be masked (a GPU or RPC device: never measured there),
+    under g-lru (no read-ahead beside another layer's reads), or where the pools hold every
+    expert (nothing to read)."""
+    if os.environ.get("EMPANEL_PROMPT_AHEAD", "").strip() == "0":
+        return False
+    if resolve_prefetch(options.prefetch) > 0:
+        return True
+    pages = plan is not None and not plan.holds_all
+    return pages and resolve_guess(options.guess) and options.policy != "g-lru" and not waves_may_be_masked()
 
 
 def stock_equivalent(repack: bool, subst=None, batch=None) -> str:
@@ -251,6 +260,7 @@ def pool_setup(index, plan, options=None) -> PoolSetup:
         "verify": 1 if options.verify and plan is not None else 0,
         "read_io": READ_IO[options.read_io],  # enum empanel_read_io
         "queue_depth": options.queue_depth,
+        "prompt_ahead": 1 if prompt_ahead(plan, options) else 0,
     }
     return PoolSetup(
         n_slots=n_slots,
@@ -532,7 +542,7 @@ def _plan_pools(index, moe_slots, options, notes):
                      f"{'at its defaults' if layout.repack else '--no-repack'}")
         notes.append(f"  {layout.why}")
     guess = resolve_guess(options.guess)
-    prefetch = resolve_prefetch(options.prefetch, plan, options.policy, guess)
+    prefetch = resolve_prefetch(options.prefetch)
     return plan, replace(options, repack=layout.repack, prefetch=prefetch, guess=guess), layout
 
 

@@ -56,6 +56,8 @@ def plan_text(index, setup, *, preload=False, pinned=False, orders=None, digests
     if setup.host_cache:
         lines.append(f"host-cache {setup.host_cache}")
     lines.append(f"io {p['read_io']} {p['queue_depth']}")
+    if p.get("prompt_ahead"):
+        lines.append("prompt-ahead 1")
     if controller is not None:
         lines.append(f"elastic {controller['reserve']} {controller['interval_ms']}")
         for i, source in enumerate(controller["sources"]):
