@@ -27,9 +27,9 @@ static int32_t next_preload_expert(const struct empanel_pool * pool, const struc
     return -1;
 }
 
-// the most one hold of the pool's lock reads in a preload: between such chunks the controller
-// (pressure.c) and /metrics get the lock, so a move down waits for one chunk, not the preload
-// (a 48-layer model's layer of 68 slots is ~200 MiB: ~150 ms at 1.3 GB/s)
+// the most one batch of a preload reads (a 48-layer model's layer of 68 slots is ~200 MiB): the
+// wait for each lets go of the pool's lock (empanel_batch_finish_lane), so the controller
+// (pressure.c) and /metrics never wait for the preload's reads
 #define PRELOAD_CHUNK_BYTES (32ull << 20)
 
 // read layer->tables.misses/victims [0, n) (in file order) in chunks of PRELOAD_CHUNK_BYTES, letting
